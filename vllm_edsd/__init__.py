@@ -1,0 +1,15 @@
+"""vllm-edsd: serve and train EDSD speculative-decoding drafters in vLLM.
+
+``register`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every process
+(front end, engine core, each worker), so it is idempotent and imports nothing heavy
+until vLLM itself is being configured.
+"""
+
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    """Register the EDSD draft model with vLLM and accept ``"method": "edsd"``."""
+    from .plugin import install
+
+    install()

@@ -1,0 +1,347 @@
+"""The EDSD draft configuration: one parser and validator for both checkpoint layouts.
+
+Training writes the *training layout* (SPEC §3.1), vLLM loads the *vLLM layout* (SPEC §3.2).
+Both share the Llama hyper-parameters of the draft decoder layer plus an ``edsd_config``
+block; this module is the only place that reads or writes them, so the converter, the
+trainer, the reference model and the vLLM plugin cannot disagree about a field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+TRAINING_ARCHITECTURE = "LlamaForCausalLMEDSD"
+VLLM_ARCHITECTURE = "EDSDLlamaForCausalLM"
+# vLLM prefixes ``Eagle3`` to every eagle3 draft architecture (configs/eagle.py).
+VLLM_ARCHITECTURE_EAGLE3_ALIAS = "Eagle3" + VLLM_ARCHITECTURE
+
+LAYER_INPUT = "layer_input"  # EAGLE / vLLM / SGLang: id l = input of decoder layer l
+LAYER_OUTPUT = "layer_output"  # SpecForge: id l = output of decoder layer l = vLLM id l+1
+LAYER_ID_CONVENTIONS = (LAYER_INPUT, LAYER_OUTPUT)
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+
+# EDFuse tensor names differ between layouts: inside vLLM, ``*.gate_proj``/``*.up_proj``
+# would be caught by the stacked-weight mappers that merge a Llama MLP's gate and up.
+TRAINING_TO_VLLM_NAMES = {
+    "edfuse.gate_proj.weight": "edfuse.feature_gate.weight",
+    "edfuse.up_proj.weight": "edfuse.token_up.weight",
+    "edfuse.down_proj.weight": "edfuse.fuse_down.weight",
+}
+VLLM_TO_TRAINING_NAMES = {v: k for k, v in TRAINING_TO_VLLM_NAMES.items()}
+
+
+class EDSDError(ValueError):
+    """A user-facing error: the message names the file, field or tensor at fault."""
+
+
+@dataclass(frozen=True)
+class TargetFingerprint:
+    """What a drafter must agree on with its target model."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int | None = None
+    model_type: str | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "TargetFingerprint":
+        """From a transformers config object or dict (text config of multimodal models)."""
+        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+        return cls(
+            vocab_size=int(get("vocab_size")),
+            hidden_size=int(get("hidden_size")),
+            num_hidden_layers=int(get("num_hidden_layers")),
+            model_type=get("model_type"),
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "TargetFingerprint | None":
+        if not d:
+            return None
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            num_hidden_layers=d.get("num_hidden_layers"),
+            model_type=d.get("model_type"),
+        )
+
+
+@dataclass(frozen=True)
+class EDSDConfig:
+    """Hyper-parameters of an EDSD drafter, aux layer ids always in vLLM's convention."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    fuse_intermediate_size: int
+    aux_layer_ids: tuple[int, int]
+    rms_norm_eps: float = 1e-5
+    token_norm_eps: float = 1e-5
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    token_norm_folded: bool = False
+    torch_dtype: str = "float32"
+    target: TargetFingerprint | None = None
+    # Provenance, written by the converter into the vLLM layout.
+    metadata: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- parsing
+    @classmethod
+    def from_dict(
+        cls,
+        raw: dict,
+        *,
+        source: str = "config.json",
+        layer_id_convention: str | None = None,
+    ) -> "EDSDConfig":
+        """Validate a config.json dict of either layout.
+
+        ``layer_id_convention`` overrides the convention recorded in the file (the
+        converter's ``--layer-id-convention``); the result always holds vLLM ids.
+        """
+        if not isinstance(raw, dict):
+            raise EDSDError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        edsd = raw.get("edsd_config")
+        if not isinstance(edsd, dict):
+            raise EDSDError(
+                f"{source}: no 'edsd_config' block; this is not an EDSD drafter "
+                f"(architectures={raw.get('architectures')})"
+            )
+
+        def need(block: dict, key: str, kind: type, where: str = "") -> Any:
+            if key not in block:
+                raise EDSDError(f"{source}: missing field '{where}{key}'")
+            value = block[key]
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise EDSDError(f"{source}: field '{where}{key}' must be an integer, got {value!r}")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise EDSDError(f"{source}: field '{where}{key}' must be a number, got {value!r}")
+            if kind in (int, float) and value <= 0:
+                raise EDSDError(f"{source}: field '{where}{key}' must be positive, got {value!r}")
+            return value
+
+        hidden = need(raw, "hidden_size", int)
+        heads = need(raw, "num_attention_heads", int)
+        layers = raw.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise EDSDError(f"{source}: field 'num_hidden_layers' must be 1 for an EDSD drafter, got {layers!r}")
+        vocab = need(raw, "vocab_size", int)
+        draft_vocab = raw.get("draft_vocab_size") or vocab
+        if not isinstance(draft_vocab, int) or draft_vocab <= 0 or draft_vocab > vocab:
+            raise EDSDError(
+                f"{source}: field 'draft_vocab_size' must be an integer in 1..vocab_size={vocab}, got {draft_vocab!r}"
+            )
+        head_dim = raw.get("head_dim") or hidden // heads
+        convention = layer_id_convention or edsd.get("aux_layer_id_convention")
+        if convention is None:
+            raise EDSDError(
+                f"{source}: field 'edsd_config.aux_layer_id_convention' is missing; pass "
+                f"--layer-id-convention {LAYER_INPUT}|{LAYER_OUTPUT} (SpecForge checkpoints record "
+                f"'{LAYER_OUTPUT}': the output of layer i, which is vLLM's id i+1)"
+            )
+        if convention not in LAYER_ID_CONVENTIONS:
+            raise EDSDError(
+                f"{source}: aux layer id convention {convention!r} is not one of {LAYER_ID_CONVENTIONS}"
+            )
+        ids = edsd.get("aux_layer_ids")
+        if (
+            not isinstance(ids, (list, tuple))
+            or len(ids) != 2
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            raise EDSDError(
+                f"{source}: field 'edsd_config.aux_layer_ids' must list exactly two non-negative "
+                f"target layer ids, got {ids!r}"
+            )
+        shift = 1 if convention == LAYER_OUTPUT else 0
+        vllm_ids = tuple(sorted(i + shift for i in ids))
+        if vllm_ids[0] == vllm_ids[1]:
+            raise EDSDError(f"{source}: field 'edsd_config.aux_layer_ids' names the same layer twice: {ids!r}")
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if dtype not in SUPPORTED_DTYPES:
+            raise EDSDError(f"{source}: field 'torch_dtype' is {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise EDSDError(f"{source}: field 'hidden_act' is {act!r}; the EDSD draft layer is a SwiGLU (silu)")
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise EDSDError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        folded = edsd.get("token_norm_folded", False)
+        if not isinstance(folded, bool):
+            raise EDSDError(f"{source}: field 'edsd_config.token_norm_folded' must be true or false")
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=need(raw, "intermediate_size", int),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            draft_vocab_size=draft_vocab,
+            target_hidden_size=raw.get("target_hidden_size") or hidden,
+            fuse_intermediate_size=need(edsd, "fuse_intermediate_size", int, "edsd_config."),
+            aux_layer_ids=vllm_ids,  # type: ignore[arg-type]
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            token_norm_eps=float(edsd.get("token_norm_eps", 1e-5)),
+            rope_parameters=rope_parameters_of(raw, source),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            hidden_act=act,
+            token_norm_folded=folded,
+            torch_dtype=dtype,
+            target=TargetFingerprint.from_dict(edsd.get("target")),
+            metadata={k: v for k, v in edsd.items() if k in ("converter", "source")},
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path, **kwargs: Any) -> "EDSDConfig":
+        return cls.from_dict(read_config_json(path), source=str(Path(path) / "config.json"), **kwargs)
+
+    # ---------------------------------------------------------------- writing
+    def _llama_fields(self) -> dict:
+        out = {
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.torch_dtype,
+            "rope_parameters": dict(self.rope_parameters),
+        }
+        # transformers 4.x readers look for these two.
+        out["rope_theta"] = self.rope_parameters.get("rope_theta", 10000.0)
+        if self.rope_parameters.get("rope_type", "default") != "default":
+            out["rope_scaling"] = dict(self.rope_parameters)
+        if self.target_hidden_size != self.hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        return out
+
+    def _edsd_block(self, convention: str) -> dict:
+        shift = 1 if convention == LAYER_OUTPUT else 0
+        block = {
+            "aux_layer_ids": [i - shift for i in self.aux_layer_ids],
+            "aux_layer_id_convention": convention,
+            "fuse_intermediate_size": self.fuse_intermediate_size,
+            "token_norm_eps": self.token_norm_eps,
+            "token_norm_folded": self.token_norm_folded,
+        }
+        if self.target is not None:
+            block["target"] = {k: v for k, v in asdict(self.target).items() if v is not None}
+        block.update(self.metadata)
+        return block
+
+    def to_training_dict(self) -> dict:
+        """config.json of the training layout (SPEC §3.1), ids in vLLM's convention."""
+        return {
+            "architectures": [TRAINING_ARCHITECTURE],
+            **self._llama_fields(),
+            "edsd_config": self._edsd_block(LAYER_INPUT),
+        }
+
+    def to_vllm_dict(self) -> dict:
+        """config.json of the vLLM layout (SPEC §3.2)."""
+        ids = list(self.aux_layer_ids)
+        return {
+            "architectures": [VLLM_ARCHITECTURE],
+            **self._llama_fields(),
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            "edsd_config": self._edsd_block(LAYER_INPUT),
+        }
+
+    def with_updates(self, **changes: Any) -> "EDSDConfig":
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------- checking
+    def check_target(self, target: TargetFingerprint, *, drafter: str = "drafter") -> None:
+        """Refuse a target this drafter was not made for, naming the mismatch."""
+        problems = []
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size: drafter {self.vocab_size}, target {target.vocab_size}")
+        if self.target_hidden_size != target.hidden_size:
+            problems.append(
+                f"hidden size: drafter reads target features of size {self.target_hidden_size}, "
+                f"target hidden_size is {target.hidden_size}"
+            )
+        n = target.num_hidden_layers
+        if n is not None:
+            bad = [i for i in self.aux_layer_ids if i > n]
+            if bad:
+                problems.append(
+                    f"aux layer ids {list(self.aux_layer_ids)} (vLLM convention: input of layer i): "
+                    f"{bad} do not exist in a target with {n} layers (valid: 0..{n})"
+                )
+            fp = self.target
+            if fp is not None and fp.num_hidden_layers is not None and fp.num_hidden_layers != n:
+                problems.append(
+                    f"num_hidden_layers: drafter was made for a target with {fp.num_hidden_layers} "
+                    f"layers, this target has {n}"
+                )
+        if problems:
+            raise EDSDError(f"{drafter} does not fit the target model: " + "; ".join(problems))
+
+
+def rope_parameters_of(raw: dict, source: str = "config.json") -> dict:
+    """RoPE settings from a transformers 5 (``rope_parameters``) or 4 (``rope_theta``,
+    ``rope_scaling``) config, normalised to the transformers 5 form."""
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    params = dict(params)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if params["rope_type"] not in ("default", "llama3", "linear"):
+        raise EDSDError(
+            f"{source}: rope type {params['rope_type']!r} is not supported by the EDSD draft layer "
+            "(supported: default, llama3, linear)"
+        )
+    theta = params["rope_theta"]
+    if not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise EDSDError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    return params
+
+
+def read_config_json(path: str | Path) -> dict:
+    """Read ``path/config.json`` with errors that name the problem."""
+    path = Path(path)
+    if not path.exists():
+        raise EDSDError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise EDSDError(f"{path}: not a directory (expected a drafter directory with config.json)")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise EDSDError(f"{path}: no config.json in this directory")
+    try:
+        raw = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EDSDError(f"{cfg}: invalid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise EDSDError(f"{cfg}: expected a JSON object")
+    return raw
+
+
+def is_vllm_layout(raw: dict) -> bool:
+    archs = raw.get("architectures") or []
+    return VLLM_ARCHITECTURE in archs or VLLM_ARCHITECTURE_EAGLE3_ALIAS in archs

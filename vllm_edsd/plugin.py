@@ -1,0 +1,149 @@
+"""How vLLM learns about EDSD without being modified.
+
+* The draft class is registered with ``ModelRegistry`` under the architecture names the
+  converted checkpoints carry (vLLM prefixes ``Eagle3`` to eagle3 drafts, so both).
+* ``"method": "edsd"`` is a front-end alias: ``SpeculativeConfig.__init__`` is wrapped to
+  check the drafter and translate the method to ``"eagle3"`` before pydantic validates
+  it. Everything downstream (aux hidden states, the EAGLE proposer, KV lookahead, the
+  rejection sampler, metrics, compilation) is vLLM's own EAGLE-3 path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from typing import Any
+
+from .config import (
+    TRAINING_ARCHITECTURE,
+    VLLM_ARCHITECTURE,
+    VLLM_ARCHITECTURE_EAGLE3_ALIAS,
+    EDSDConfig,
+    EDSDError,
+    TargetFingerprint,
+    is_vllm_layout,
+    read_config_json,
+)
+
+logger = logging.getLogger("vllm_edsd")
+
+METHOD = "edsd"
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # [0.32, 0.34)
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+_MODEL_CLASS = "vllm_edsd.vllm_model:EDSDLlamaForCausalLM"
+_installed = False
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def version_supported(version: str) -> bool:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if not match:
+        return False
+    minor = (int(match.group(1)), int(match.group(2)))
+    return SUPPORTED_VLLM[0] <= minor < SUPPORTED_VLLM[1]
+
+
+def _is_hub_id(model: str) -> bool:
+    """``org/name`` that is not a local path: vLLM resolves it from its model hub."""
+    return not os.path.exists(model) and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None
+
+
+def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) -> EDSDConfig | None:
+    """Checks on an ``"edsd"`` speculative config before vLLM sees it.
+
+    Returns the drafter's config when the drafter is a local directory (a hub id is left
+    to vLLM to resolve and is checked against the target afterwards).
+    """
+    version = vllm_version()
+    if not version_supported(version):
+        lo, hi = SUPPORTED_VLLM
+        raise EDSDError(
+            f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; "
+            f"the installed vLLM is {version}"
+        )
+    unknown = sorted(set(kwargs) - known_fields)
+    if unknown:
+        raise EDSDError(
+            f"speculative config: unknown field(s) {', '.join(map(repr, unknown))} "
+            f"(valid fields include: method, model, num_speculative_tokens, draft_sample_method)"
+        )
+    k = kwargs.get("num_speculative_tokens")
+    if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise EDSDError(f"speculative config: 'num_speculative_tokens' must be a positive integer, got {k!r}")
+    sample = kwargs.get("draft_sample_method")
+    if sample is not None and sample not in DRAFT_SAMPLE_METHODS:
+        raise EDSDError(
+            f"speculative config: 'draft_sample_method' must be one of {DRAFT_SAMPLE_METHODS}, got {sample!r}"
+        )
+    model = kwargs.get("model")
+    if not isinstance(model, str) or not model:
+        raise EDSDError(
+            "speculative config: method 'edsd' needs 'model': the directory of a converted EDSD drafter"
+        )
+    if _is_hub_id(model):
+        return None
+    raw = read_config_json(model)
+    archs = raw.get("architectures") or []
+    if TRAINING_ARCHITECTURE in archs:
+        raise EDSDError(
+            f"{model}: this is an EDSD *training* checkpoint; convert it for vLLM first: "
+            f"edsd convert {model} OUTPUT_DIR"
+        )
+    if not is_vllm_layout(raw):
+        raise EDSDError(
+            f"{model}: not an EDSD drafter (architectures={archs}); "
+            "for an EAGLE-3 drafter use \"method\": \"eagle3\""
+        )
+    return EDSDConfig.from_dict(raw, source=f"{model}/config.json")
+
+
+def _wrap_speculative_config() -> None:
+    from vllm.config import SpeculativeConfig
+
+    original = SpeculativeConfig.__init__
+    if getattr(original, "_edsd_wrapped", False):
+        return
+    known_fields = set(SpeculativeConfig.__dataclass_fields__)
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("method") != METHOD:
+            original(self, *args, **kwargs)
+            return
+        drafter = check_speculative_request(kwargs, known_fields)
+        original(self, *args, **{**kwargs, "method": "eagle3"})
+        if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
+            raw = self.draft_model_config.hf_config.to_dict()
+            if VLLM_ARCHITECTURE_EAGLE3_ALIAS not in (self.draft_model_config.architectures or []):
+                raise EDSDError(f"{kwargs['model']}: not an EDSD drafter (architectures={raw.get('architectures')})")
+            drafter = EDSDConfig.from_dict(raw, source=f"{kwargs['model']}/config.json")
+        target = TargetFingerprint.from_hf_config(self.target_model_config.hf_text_config)
+        drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
+
+    __init__._edsd_wrapped = True  # type: ignore[attr-defined]
+    SpeculativeConfig.__init__ = __init__
+
+
+def install() -> None:
+    """Idempotent: register the model class and the method alias in this process."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from vllm import ModelRegistry
+
+    for name in (VLLM_ARCHITECTURE, VLLM_ARCHITECTURE_EAGLE3_ALIAS):
+        ModelRegistry.register_model(name, _MODEL_CLASS)
+    _wrap_speculative_config()
+    if not version_supported(vllm_version()):
+        logger.warning(
+            "vllm-edsd: vLLM %s is outside the supported range 0.32-0.33; \"method\": \"edsd\" is refused",
+            vllm_version(),
+        )

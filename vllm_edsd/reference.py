@@ -1,0 +1,287 @@
+"""The EDSD draft model in plain PyTorch (SPEC §2): the one definition of the architecture.
+
+Training, the converter's validation, the offline acceptance predictor and the parity tests
+all use this module; ``vllm_model.py`` mirrors it with vLLM's parallel layers. It imports
+nothing from vLLM.
+
+Conventions (the same as EAGLE-3/SpecForge): position ``p`` receives the target feature
+``f_p`` (concatenated hidden states at the *input* of two target layers) and the token
+``x_{p+1}`` and predicts ``x_{p+2}``. Later draft steps feed back the decoder layer's
+pre-norm output instead of ``fc(f_p)``. The draft layer's attention follows the
+training-time-test pattern: step ``k`` at index ``p`` (RoPE position ``p + k``) attends to
+the step-0 keys at indices ``<= p`` and to its own index's keys of steps ``1..k``. Serving a
+chain of drafts from a context is the special case in which step ``k`` is fed the draft's
+own previous prediction, so ``propose`` yields, for every prefix of a sequence at once, the
+chain that a serving engine would draft there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import SAFETENSORS, iter_tensors, save_safetensors
+from .config import TRAINING_TO_VLLM_NAMES, VLLM_TO_TRAINING_NAMES, EDSDConfig, EDSDError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
+    """Inverse frequencies of Llama RoPE: default, linear and llama3 scaling."""
+    theta = float(params.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = params.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of ``x`` [B, heads, T, head_dim] at ``positions`` [B, T]."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(x.device)  # [B, T, hd/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class KeyValueSteps:
+    """Draft-layer keys and values per training-time-test step (step 0 first)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: EDSDConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(hd, cfg.rope_parameters), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, positions, self.inv_freq), apply_rope(k, positions, self.inv_freq)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        kv.keys.append(k)
+        kv.values.append(v)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        # Step-0 keys, causal over indices; then one same-index key per later step.
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = [(q @ kv.keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+        scores += [(q * key).sum(-1, keepdim=True) * scale for key in kv.keys[1:]]
+        weights = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
+        out = weights[..., :t] @ kv.values[0]
+        for i, value in enumerate(kv.values[1:]):
+            out = out + weights[..., t + i : t + i + 1] * value
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, size: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(size, inner, bias=False)
+        self.up_proj = nn.Linear(size, inner, bias=False)
+        self.down_proj = nn.Linear(inner, size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """One Llama decoder layer whose input is the EDFuse output (size d, not 2d)."""
+
+    def __init__(self, cfg: EDSDConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, u: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps) -> torch.Tensor:
+        a = u + self.self_attn(self.input_layernorm(u), positions, kv)
+        return a + self.mlp(self.post_attention_layernorm(a))
+
+
+class EDFuse(nn.Module):
+    """``down(silu(gate(g)) * up(LN(e)))``: gated fusion of feature and token streams."""
+
+    def __init__(self, cfg: EDSDConfig) -> None:
+        super().__init__()
+        d, m = cfg.hidden_size, cfg.fuse_intermediate_size
+        self.gate_proj = nn.Linear(d, m, bias=False)
+        self.up_proj = nn.Linear(d, m, bias=False)
+        self.down_proj = nn.Linear(m, d, bias=False)
+        self.token_norm = None if cfg.token_norm_folded else nn.LayerNorm(d, eps=cfg.token_norm_eps)
+
+    def forward(self, g: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        e = token_embeds if self.token_norm is None else self.token_norm(token_embeds)
+        return self.down_proj(F.silu(self.gate_proj(g)) * self.up_proj(e))
+
+
+def expected_shapes(cfg: EDSDConfig) -> dict[str, tuple[int, ...]]:
+    """Full (unsharded) shape of every tensor a drafter with this config may carry,
+    under training-layout names; derived from the model itself on the meta device."""
+    with torch.device("meta"):
+        model = EDSDDraftModel(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+class EDSDDraftModel(nn.Module):
+    """The EDSD drafter. Parameter names are those of the training layout (SPEC §3.1)."""
+
+    def __init__(self, cfg: EDSDConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(2 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.edfuse = EDFuse(cfg)
+        self.midlayer = DraftDecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+
+    # ------------------------------------------------------------ forward
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` on the concatenated target features (first draft step only)."""
+        return self.fc(features)
+
+    def step(
+        self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: returns (draft-vocab logits, pre-norm output fed back next step)."""
+        u = self.edfuse(g, self.embed_tokens(input_ids))
+        a = self.midlayer(u, positions, kv)
+        return self.lm_head(self.norm(a)), a
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocab logits into the target vocab (-inf elsewhere), as vLLM does."""
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            return draft_logits
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        targets = torch.arange(self.config.draft_vocab_size, device=draft_logits.device)
+        full[..., self.draft_to_target(targets)] = draft_logits
+        return full
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """Greedy draft chains for every prefix at once.
+
+        ``features`` [B, T, 2·d_t] are the target features of positions 0..T-1 and
+        ``next_tokens`` [B, T] the tokens x_1..x_T. Returns target-vocab ids [B, T, K]:
+        row p is the chain an engine drafts when the context ends with x_{p+1}.
+        """
+        b, t = next_tokens.shape
+        positions = torch.arange(t, device=next_tokens.device).expand(b, t)
+        kv = KeyValueSteps()
+        g, tokens, chain = self.project(features), next_tokens, []
+        for k in range(num_steps):
+            logits, g = self.step(g, tokens, positions + k, kv)
+            tokens = self.draft_to_target(logits.argmax(-1))
+            chain.append(tokens)
+        return torch.stack(chain, -1)
+
+    # ------------------------------------------------------------ weights
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors to save: everything but the embedding shared with the target."""
+        keep_embed = self.config.token_norm_folded  # then the table is LN(E), the drafter's own
+        state = {k: v for k, v in self.state_dict().items() if keep_embed or k != "embed_tokens.weight"}
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            state.pop("d2t"), state.pop("t2d")
+        return state
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+        """Load tensors of either layout; every parameter must be present exactly once."""
+        expected = self.state_dict()
+        renamed = {VLLM_TO_TRAINING_NAMES.get(k, k): v for k, v in tensors.items()}
+        optional = {"embed_tokens.weight"}
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            optional |= {"d2t", "t2d"}
+        missing = sorted(set(expected) - set(renamed) - optional)
+        unexpected = sorted(set(renamed) - set(expected))
+        if missing:
+            raise EDSDError(f"{source}: missing tensor(s): {', '.join(missing)}")
+        if unexpected:
+            raise EDSDError(f"{source}: unexpected tensor(s): {', '.join(unexpected)}")
+        for name, tensor in renamed.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise EDSDError(
+                    f"{source}: tensor '{name}' has shape {list(tensor.shape)}, expected {list(expected[name].shape)}"
+                )
+        self.load_state_dict({**expected, **renamed})
+
+    def save_pretrained(self, path: str | Path, *, layout: str = "training", dtype: str | None = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` in the training or vLLM layout."""
+        dtype = dtype or self.config.torch_dtype
+        cfg = self.config.with_updates(torch_dtype=dtype)
+        tensors = self.trainable_state_dict()
+        if layout == "vllm":
+            raw, tensors = cfg.to_vllm_dict(), {TRAINING_TO_VLLM_NAMES.get(k, k): v for k, v in tensors.items()}
+        elif layout == "training":
+            raw = cfg.to_training_dict()
+        else:
+            raise EDSDError(f"unknown layout {layout!r} (training or vllm)")
+        cast = {k: v.detach().to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        save_safetensors(cast, path / SAFETENSORS)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> "EDSDDraftModel":
+        """Load a drafter directory of either layout. ``embed_tokens`` is the target's
+        embedding table, needed unless the checkpoint carries its own (folded) table."""
+        cfg = EDSDConfig.from_dir(path)
+        model = cls(cfg)
+        tensors = dict(iter_tensors(path))
+        if "embed_tokens.weight" not in tensors:
+            if embed_tokens is None:
+                raise EDSDError(f"{path}: the drafter shares the target's embedding; pass the target's table")
+            tensors["embed_tokens.weight"] = embed_tokens
+        model.load_tensors(tensors, source=str(path))
+        return model.to(dtype).eval()

@@ -1,0 +1,182 @@
+"""Small models made on the spot: a byte-level BPE tokenizer, tiny random-weight targets
+(Llama, Qwen3) and EDSD drafters for them.
+
+They exist so that tests and a first demo run on a machine with no model hub. Their
+weights are random: they exercise every code path of serving, but acceptance measured on
+them says nothing about EDSD's quality.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .config import LAYER_INPUT, EDSDConfig, TargetFingerprint
+from .reference import EDSDDraftModel
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def toy_corpus() -> str:
+    return resources.files("vllm_edsd").joinpath("data/toy_corpus.txt").read_text()
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> None:
+    """Train a byte-level BPE and save it as a transformers fast tokenizer with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def make_target(
+    out_dir: str | Path,
+    *,
+    arch: str = "llama",
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """A random-weight causal LM with a tokenizer, loadable by transformers and vLLM."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(toy_corpus().splitlines(), vocab_size, out_dir)
+    common = dict(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    if arch not in classes:
+        raise ValueError(f"unknown toy architecture {arch!r}; choose from {sorted(classes)}")
+    config_cls, model_cls = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).to(torch.float32)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def target_config(target_dir: str | Path) -> dict:
+    return json.loads((Path(target_dir) / "config.json").read_text())
+
+
+def drafter_config_for(
+    target_dir: str | Path,
+    aux_layer_ids: tuple[int, int],
+    *,
+    draft_vocab_size: int | None = None,
+    fuse_intermediate_size: int | None = None,
+    token_norm_folded: bool = False,
+) -> EDSDConfig:
+    """An EDSD config shaped for a target (SPEC §2 defaults: d = d_t, m = target FFN size)."""
+    t = target_config(target_dir)
+    fingerprint = TargetFingerprint.from_hf_config(t)
+    edsd = {
+        "aux_layer_ids": list(aux_layer_ids),
+        "aux_layer_id_convention": LAYER_INPUT,
+        "fuse_intermediate_size": fuse_intermediate_size or t["intermediate_size"],
+        "token_norm_folded": token_norm_folded,
+        "target": {
+            "vocab_size": fingerprint.vocab_size,
+            "hidden_size": fingerprint.hidden_size,
+            "num_hidden_layers": fingerprint.num_hidden_layers,
+            "model_type": fingerprint.model_type,
+        },
+    }
+    raw = {
+        key: t[key]
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "vocab_size",
+        )
+        if key in t
+    }
+    raw.update(
+        num_hidden_layers=1,
+        draft_vocab_size=draft_vocab_size or t["vocab_size"],
+        rope_parameters=t.get("rope_parameters") or {"rope_type": "default", "rope_theta": t.get("rope_theta", 10000.0)},
+        torch_dtype="float32",
+        edsd_config=edsd,
+    )
+    return EDSDConfig.from_dict(raw, source=f"drafter for {target_dir}")
+
+
+def make_drafter(
+    target_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    aux_layer_ids: tuple[int, int] = (1, 3),
+    draft_vocab_size: int | None = None,
+    layout: str = "vllm",
+    seed: int = 0,
+    constant_token: int | None = None,
+) -> EDSDDraftModel:
+    """A random EDSD drafter for a toy target.
+
+    With ``constant_token`` the drafter always proposes that token: the final norm is
+    zero, so every draft logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
+    ``constant_token``. Its acceptance is therefore predictable from the target's output.
+    """
+    cfg = drafter_config_for(target_dir, aux_layer_ids, draft_vocab_size=draft_vocab_size)
+    torch.manual_seed(seed)
+    model = EDSDDraftModel(cfg)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, 0.05)
+        vocab, draft_vocab = cfg.vocab_size, cfg.draft_vocab_size
+        first = 0 if constant_token is None else constant_token
+        if first + draft_vocab > vocab:
+            raise ValueError(f"constant_token {constant_token} + draft vocab {draft_vocab} exceeds vocab {vocab}")
+        used = torch.arange(first, first + draft_vocab) if draft_vocab < vocab else torch.arange(vocab)
+        if draft_vocab < vocab and constant_token is None:
+            used = torch.linspace(0, vocab - 1, draft_vocab).round().long().unique()
+        model.d2t.copy_(used - torch.arange(draft_vocab))
+        model.t2d.zero_()
+        model.t2d[used] = True
+        if constant_token is not None:
+            model.norm.weight.zero_()
+    model.save_pretrained(out_dir, layout=layout)
+    return model

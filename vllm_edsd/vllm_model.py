@@ -1,0 +1,207 @@
+"""The EDSD draft model for vLLM, mirroring ``reference.py`` with vLLM's parallel layers.
+
+It subclasses vLLM's ``Eagle3LlamaForCausalLM`` because the EAGLE proposer asserts that
+type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
+``embed_input_ids``, and replaces the rest:
+
+* ``combine_hidden_states``: ``fc`` on the two aux hidden states (first draft step only);
+* ``forward``: EDFuse on (feature, token embedding), one stock Llama decoder layer, RMSNorm;
+  it returns (normed states for the logits, pre-norm states fed back to the next step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.llama import LlamaDecoderLayer
+from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix, process_eagle_weight
+
+from .config import VLLM_TO_TRAINING_NAMES, EDSDConfig, EDSDError, TargetFingerprint
+from .reference import expected_shapes
+
+# Checkpoint name -> (parameter name, shard id) for vLLM's fused projections.
+_STACKED = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+}
+
+
+class EDSDDecoderLayer(LlamaDecoderLayer):
+    """vLLM's Llama decoder layer, quantized like the drafter rather than the target."""
+
+    def get_quant_config(self, vllm_config: VllmConfig) -> QuantizationConfig | None:
+        return get_draft_quant_config(vllm_config)
+
+
+class EDFuse(nn.Module):
+    """``down(silu(gate(g)) * up(LN(e)))``; gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, edsd: EDSDConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        d, m = edsd.hidden_size, edsd.fuse_intermediate_size
+        self.feature_gate = ColumnParallelLinear(
+            d, m, bias=False, quant_config=quant_config, prefix=f"{prefix}.feature_gate", return_bias=False
+        )
+        self.token_up = ColumnParallelLinear(
+            d, m, bias=False, quant_config=quant_config, prefix=f"{prefix}.token_up", return_bias=False
+        )
+        self.fuse_down = RowParallelLinear(
+            m, d, bias=False, quant_config=quant_config, prefix=f"{prefix}.fuse_down", return_bias=False
+        )
+        self.token_norm = None if edsd.token_norm_folded else nn.LayerNorm(d, eps=edsd.token_norm_eps)
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        if self.token_norm is not None:
+            token_embeds = self.token_norm(token_embeds)
+        return self.fuse_down(F.silu(self.feature_gate(features)) * self.token_up(token_embeds))
+
+
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0, "input_embeds": 0}
+)
+class EDSDLlamaModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, edsd: EDSDConfig, start_layer_id: int, prefix: str = "") -> None:
+        super().__init__()
+        self.config = vllm_config.speculative_config.draft_model_config.hf_config
+        quant_config = get_draft_quant_config(vllm_config)
+        self.embed_tokens = VocabParallelEmbedding(
+            edsd.vocab_size, edsd.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
+        self.fc = ReplicatedLinear(
+            2 * edsd.target_hidden_size,
+            edsd.hidden_size,
+            bias=False,
+            params_dtype=vllm_config.model_config.dtype,
+            quant_config=quant_config,
+            prefix=maybe_prefix(prefix, "fc"),
+            return_bias=False,
+        )
+        self.edfuse = EDFuse(edsd, quant_config, maybe_prefix(prefix, "edfuse"))
+        # The attention prefix must not collide with any target layer's.
+        self.layers = nn.ModuleList(
+            [
+                EDSDDecoderLayer(
+                    get_current_vllm_config(),
+                    prefix=maybe_prefix(prefix, f"layers.{start_layer_id}"),
+                    config=self.config,
+                )
+            ]
+        )
+        self.norm = RMSNorm(edsd.hidden_size, eps=edsd.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if input_embeds is None:
+            input_embeds = self.embed_input_ids(input_ids)
+        fused = self.edfuse(hidden_states, input_embeds)
+        hidden_states, residual = self.layers[0](positions, fused, None)
+        normed, prenorm = self.norm(hidden_states, residual)
+        return normed, prenorm
+
+
+class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
+    """EDSD drafter served through vLLM's EAGLE-3 proposer (``"method": "edsd"``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        self.config = vllm_config.speculative_config.draft_model_config.hf_config
+        self.edsd = EDSDConfig.from_dict(self.config.to_dict(), source="draft config")
+        target_config = vllm_config.model_config.hf_text_config
+        self.edsd.check_target(TargetFingerprint.from_hf_config(target_config))
+        target_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        self.config.draft_vocab_size = self.edsd.draft_vocab_size
+        self.config.target_layer_count = target_layers
+        self.model = EDSDLlamaModel(
+            vllm_config=vllm_config, edsd=self.edsd, start_layer_id=target_layers, prefix=maybe_prefix(prefix, "model")
+        )
+        self.lm_head = ParallelLMHead(
+            self.edsd.draft_vocab_size,
+            self.edsd.hidden_size,
+            quant_config=get_draft_quant_config(vllm_config),
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )
+        self.logits_processor = LogitsProcessor(self.edsd.draft_vocab_size)
+        self.draft_id_to_target_id = (
+            nn.Parameter(torch.zeros(self.edsd.draft_vocab_size, dtype=torch.long), requires_grad=False)
+            if self.edsd.draft_vocab_size != self.edsd.vocab_size
+            else None
+        )
+        self._shapes = expected_shapes(self.edsd)
+        self.use_parallel_drafting = vllm_config.speculative_config.parallel_drafting
+        if self.use_parallel_drafting:
+            raise EDSDError("EDSD drafters do not support parallel_drafting; remove it from the speculative config")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, hidden_states, inputs_embeds)
+
+    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.fc(hidden_states)
+
+    def _checkpoint_to_param(self, name: str) -> tuple[str, object]:
+        """Map a vLLM-layout tensor name to (parameter name, shard id or None)."""
+        if name == "d2t":
+            return "draft_id_to_target_id", None
+        if name.startswith("lm_head."):
+            return name, None
+        name = "model." + name.replace("midlayer.", "layers.0.", 1)
+        for ckpt, (param, shard) in _STACKED.items():
+            if ckpt in name:
+                return name.replace(ckpt, param), shard
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        expected = set(params) - {"model.embed_tokens.weight"}
+        if self.draft_id_to_target_id is None:
+            expected.discard("draft_id_to_target_id")
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "t2d" or (name == "d2t" and self.draft_id_to_target_id is None):
+                continue
+            param_name, shard = self._checkpoint_to_param(name)
+            if param_name not in params:
+                raise EDSDError(f"EDSD drafter: unexpected tensor '{name}' in checkpoint (run `edsd convert`?)")
+            want = self._shapes.get(VLLM_TO_TRAINING_NAMES.get(name, name))
+            if want is not None and tuple(tensor.shape) != want:
+                raise EDSDError(f"EDSD drafter: tensor '{name}' has shape {list(tensor.shape)}, expected {list(want)}")
+            param = params[param_name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(param_name)
+            process_eagle_weight(self, param_name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise EDSDError(f"EDSD drafter: checkpoint lacks tensor(s) for {', '.join(missing)}")
+        return loaded | {"model.embed_tokens.weight"}
