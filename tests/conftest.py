@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny models built on the spot and real vLLM engines run as jobs.
+
+vLLM engine start-up costs ~35 s on the CI machine, so each engine configuration is
+started once per session (session-scoped fixtures) and every test that needs it reads the
+job's recorded results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_edsd.toy import make_drafter, make_target
+
+HERE = Path(__file__).parent
+ENGINE_TIMEOUT_S = int(os.environ.get("EDSD_TEST_ENGINE_TIMEOUT", "900"))
+CONSTANT_TOKEN = 200
+
+# Eight prompts of different lengths; token ids of the toy tokenizer's vocabulary.
+PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 3 + i)] for i in range(8)]
+
+
+def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
+    """Run ``engine_job.py`` on ``job``; fail the test with the engine's log on error."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job_file, out_file, log_file = workdir / "job.json", workdir / "out.json", workdir / "engine.log"
+    job_file.write_text(json.dumps(job))
+    full_env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
+    with open(log_file, "w") as log:
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(out_file)],
+            stdout=log, stderr=subprocess.STDOUT, env=full_env, timeout=ENGINE_TIMEOUT_S,
+        )
+    if proc.returncode != 0:
+        tail = log_file.read_text()[-6000:]
+        pytest.fail(f"engine job failed (exit {proc.returncode}); log tail:\n{tail}")
+    return json.loads(out_file.read_text())
+
+
+def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: int = 48, **extra) -> dict:
+    return {
+        "name": name,
+        "prompts": prompts or PROMPTS,
+        "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, str]:
+    """Toy targets (Llama, Qwen3) and EDSD drafters for them, in vLLM's layout."""
+    root = tmp_path_factory.mktemp("models")
+    paths = {
+        "llama": make_target(root / "llama", arch="llama"),
+        "qwen3": make_target(root / "qwen3", arch="qwen3", seed=1),
+    }
+    make_drafter(paths["llama"], root / "llama-edsd", draft_vocab_size=256, aux_layer_ids=(1, 3))
+    make_drafter(paths["llama"], root / "llama-edsd-constant", draft_vocab_size=256, constant_token=CONSTANT_TOKEN)
+    make_drafter(paths["qwen3"], root / "qwen3-edsd", draft_vocab_size=384, aux_layer_ids=(2, 4), seed=2)
+    paths.update({name: root / name for name in ("llama-edsd", "llama-edsd-constant", "qwen3-edsd")})
+    return {k: str(v) for k, v in paths.items()}
+
+
+@pytest.fixture(scope="session")
+def engine_runs(tmp_path_factory):
+    """Memoised engine jobs: ``engine_runs(key, job)`` runs each key once per session."""
+    cache: dict[str, dict] = {}
+    root = tmp_path_factory.mktemp("engines")
+
+    def run(key: str, job: dict, env: dict | None = None) -> dict:
+        if key not in cache:
+            cache[key] = run_engine_job(job, root / key, env)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def baseline(models, engine_runs):
+    """Greedy outputs of each toy target without speculation."""
+
+    def outputs(arch: str) -> list[list[int]]:
+        job = {"target": models[arch], "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": [greedy_phase()]}
+        return engine_runs(f"baseline-{arch}", job)["phases"]["greedy"]["outputs"]
+
+    return outputs

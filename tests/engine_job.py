@@ -1,0 +1,75 @@
+"""Run one real vLLM engine in a fresh process and report what it did, as JSON.
+
+Engine tests describe a job (target, speculative config, engine options, and phases of
+prompts + sampling parameters); this script builds the engine once, runs the phases in
+order and writes token ids, vLLM's spec-decode counters per phase and, on request, the
+draft tokens the drafter proposed (read out of the worker with ``collective_rpc``).
+A separate process per engine keeps engines from sharing memory or state between tests
+and turns an engine crash into a readable test failure.
+
+Usage: python engine_job.py JOB.json OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _install_recorder(worker) -> None:
+    """Wrap the drafter's ``propose`` to keep every chain of draft tokens it returns."""
+    drafter = worker.model_runner.drafter
+    if getattr(drafter, "_edsd_recorded", None) is not None:
+        return
+    drafter._edsd_recorded = []
+    original = drafter.propose
+
+    def propose(*args, **kwargs):
+        draft = original(*args, **kwargs)
+        drafter._edsd_recorded.append(draft.tolist())
+        return draft
+
+    drafter.propose = propose
+
+
+def _take_recorded(worker) -> list:
+    drafter = worker.model_runner.drafter
+    recorded, drafter._edsd_recorded = drafter._edsd_recorded, []
+    return recorded
+
+
+def main(job_path: str, out_path: str) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_edsd.engine import make_llm, spec_counters
+
+    job = json.loads(open(job_path).read())
+    start = time.time()
+    llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
+    result = {"startup_s": time.time() - start, "phases": {}}
+    for phase in job["phases"]:
+        params = SamplingParams(**phase["sampling"])
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in phase["prompts"]]
+        record = phase.get("record_proposals", False)
+        if record:
+            llm.collective_rpc(_install_recorder)
+        before = spec_counters(llm)
+        outputs, proposals = [], []
+        # Recorded proposals are attributed to a prompt by running prompts one at a time.
+        for group in ([[p] for p in prompts] if record else [prompts]):
+            outputs += [list(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False)]
+            if record:
+                proposals.append(llm.collective_rpc(_take_recorded)[0])
+        result["phases"][phase["name"]] = {
+            "outputs": outputs,
+            "counters": (spec_counters(llm) - before).as_dict(),
+            "proposals": proposals,
+        }
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
