@@ -19,7 +19,7 @@ from vllm_edsd.toy import make_drafter, make_target
 
 HERE = Path(__file__).parent
 ENGINE_TIMEOUT_S = int(os.environ.get("EDSD_TEST_ENGINE_TIMEOUT", "900"))
-CONSTANT_TOKEN = 200
+CONSTANT_DRAFT_VOCAB = 64
 
 # Eight prompts of different lengths; token ids of the toy tokenizer's vocabulary.
 PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 3 + i)] for i in range(8)]
@@ -42,6 +42,23 @@ def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
     return json.loads(out_file.read_text())
 
 
+def simulate_constant_drafter(outputs: list[list[int]], token: int, k: int) -> tuple[int, list[int]]:
+    """Drafts and accepted-per-position that a drafter always proposing ``token`` must
+    produce on these greedy outputs: each step drafts k copies, the target accepts the
+    leading ones equal to its own next tokens, then adds one token of its own."""
+    drafts, per_pos = 0, [0] * k
+    for out in outputs:
+        i = 0  # index of the last token the target has produced
+        while i < len(out) - 1:
+            drafts += 1
+            accepted = 0
+            while accepted < k and i + 1 + accepted < len(out) and out[i + 1 + accepted] == token:
+                per_pos[accepted] += 1
+                accepted += 1
+            i += accepted + 1
+    return drafts, per_pos
+
+
 def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: int = 48, **extra) -> dict:
     return {
         "name": name,
@@ -51,8 +68,25 @@ def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: 
     }
 
 
+def most_frequent_greedy_token(target_dir: Path, limit: int) -> int:
+    """The token (below ``limit``) the target emits most often in greedy continuations of
+    PROMPTS: the constant drafter proposes it, so its acceptance is non-zero."""
+    from collections import Counter
+
+    import torch
+
+    from vllm_edsd.target import load_target
+
+    model = load_target(target_dir)
+    counts: Counter = Counter()
+    for prompt in PROMPTS:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)
+        counts.update(t for t in out[0, len(prompt):].tolist() if t < limit)
+    return counts.most_common(1)[0][0]
+
+
 @pytest.fixture(scope="session")
-def models(tmp_path_factory) -> dict[str, str]:
+def models(tmp_path_factory) -> dict:
     """Toy targets (Llama, Qwen3) and EDSD drafters for them, in vLLM's layout."""
     root = tmp_path_factory.mktemp("models")
     paths = {
@@ -60,10 +94,13 @@ def models(tmp_path_factory) -> dict[str, str]:
         "qwen3": make_target(root / "qwen3", arch="qwen3", seed=1),
     }
     make_drafter(paths["llama"], root / "llama-edsd", draft_vocab_size=256, aux_layer_ids=(1, 3))
-    make_drafter(paths["llama"], root / "llama-edsd-constant", draft_vocab_size=256, constant_token=CONSTANT_TOKEN)
+    constant = most_frequent_greedy_token(paths["llama"], 512 - CONSTANT_DRAFT_VOCAB)
+    make_drafter(
+        paths["llama"], root / "llama-edsd-constant", draft_vocab_size=CONSTANT_DRAFT_VOCAB, constant_token=constant
+    )
     make_drafter(paths["qwen3"], root / "qwen3-edsd", draft_vocab_size=384, aux_layer_ids=(2, 4), seed=2)
     paths.update({name: root / name for name in ("llama-edsd", "llama-edsd-constant", "qwen3-edsd")})
-    return {k: str(v) for k, v in paths.items()}
+    return {**{k: str(v) for k, v in paths.items()}, "constant_token": constant}
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import os
 import re
 from typing import Any
 
+from .checkpoint import tensor_shapes
 from .config import (
     TRAINING_ARCHITECTURE,
     VLLM_ARCHITECTURE,
@@ -26,6 +27,7 @@ from .config import (
     is_vllm_layout,
     read_config_json,
 )
+from .reference import check_tensors
 
 logger = logging.getLogger("vllm_edsd")
 
@@ -101,7 +103,11 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
             f"{model}: not an EDSD drafter (architectures={archs}); "
             "for an EAGLE-3 drafter use \"method\": \"eagle3\""
         )
-    return EDSDConfig.from_dict(raw, source=f"{model}/config.json")
+    drafter = EDSDConfig.from_dict(raw, source=f"{model}/config.json")
+    # Header-only check of every tensor, so a broken checkpoint fails here with its
+    # name rather than deep inside an engine worker.
+    check_tensors(drafter, tensor_shapes(model), layout="vllm", source=model)
+    return drafter
 
 
 def _wrap_speculative_config() -> None:

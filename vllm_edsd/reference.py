@@ -165,6 +165,34 @@ def expected_shapes(cfg: EDSDConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def check_tensors(cfg: EDSDConfig, shapes: dict[str, tuple[int, ...]], *, layout: str, source: str) -> None:
+    """Refuse a checkpoint whose tensor names or shapes do not fit ``cfg``, naming the tensor.
+
+    ``layout`` is ``"training"`` or ``"vllm"`` (EDFuse names differ). The shared embedding
+    is optional unless the token norm is folded into it; ``d2t``/``t2d`` are optional when
+    the draft vocabulary is the full vocabulary.
+    """
+    expected = expected_shapes(cfg)
+    if layout == "vllm":
+        expected = {TRAINING_TO_VLLM_NAMES.get(k, k): v for k, v in expected.items()}
+    optional = set() if cfg.token_norm_folded else {"embed_tokens.weight"}
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        optional |= {"d2t", "t2d"}
+    missing = sorted(set(expected) - set(shapes) - optional)
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        hint = " (midlayer.hidden_norm belongs to EAGLE-3 drafters, not EDSD)" if "midlayer.hidden_norm.weight" in unexpected else ""
+        raise EDSDError(f"{source}: unexpected tensor(s): {', '.join(unexpected)}{hint}")
+    if missing:
+        raise EDSDError(f"{source}: missing tensor(s): {', '.join(missing)}")
+    for name, shape in shapes.items():
+        if tuple(shape) != expected[name]:
+            hint = ""
+            if name == "fc.weight" and len(shape) == 2 and shape[1] == 3 * cfg.target_hidden_size:
+                hint = " (fc reads three target layers: this looks like an EAGLE-3 checkpoint; EDSD reads two)"
+            raise EDSDError(f"{source}: tensor '{name}' has shape {list(shape)}, expected {list(expected[name])}{hint}")
+
+
 class EDSDDraftModel(nn.Module):
     """The EDSD drafter. Parameter names are those of the training layout (SPEC §3.1)."""
 
@@ -235,22 +263,9 @@ class EDSDDraftModel(nn.Module):
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
         """Load tensors of either layout; every parameter must be present exactly once."""
-        expected = self.state_dict()
         renamed = {VLLM_TO_TRAINING_NAMES.get(k, k): v for k, v in tensors.items()}
-        optional = {"embed_tokens.weight"}
-        if self.config.draft_vocab_size == self.config.vocab_size:
-            optional |= {"d2t", "t2d"}
-        missing = sorted(set(expected) - set(renamed) - optional)
-        unexpected = sorted(set(renamed) - set(expected))
-        if missing:
-            raise EDSDError(f"{source}: missing tensor(s): {', '.join(missing)}")
-        if unexpected:
-            raise EDSDError(f"{source}: unexpected tensor(s): {', '.join(unexpected)}")
-        for name, tensor in renamed.items():
-            if tuple(tensor.shape) != tuple(expected[name].shape):
-                raise EDSDError(
-                    f"{source}: tensor '{name}' has shape {list(tensor.shape)}, expected {list(expected[name].shape)}"
-                )
+        check_tensors(self.config, {k: tuple(v.shape) for k, v in renamed.items()}, layout="training", source=source)
+        expected = self.state_dict()
         self.load_state_dict({**expected, **renamed})
 
     def save_pretrained(self, path: str | Path, *, layout: str = "training", dtype: str | None = None) -> None:

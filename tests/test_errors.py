@@ -1,0 +1,150 @@
+"""Bad speculative configs and bad drafters get one clear error naming the problem,
+before any engine starts (vLLM's own config path, no mocks), and a process that
+asked for them exits instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from vllm_edsd.config import EDSDError
+from vllm_edsd.toy import make_drafter, make_target
+
+
+def engine_config(target: str, spec: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=target, speculative_config=spec, gpu_memory_utilization=0.25).create_engine_config()
+
+
+def spec(drafter, **extra) -> dict:
+    return {"method": "edsd", "model": str(drafter), "num_speculative_tokens": 4, **extra}
+
+
+@pytest.fixture(scope="module")
+def drafters(models, tmp_path_factory) -> dict[str, str]:
+    """Broken variants of the toy drafter, one defect each."""
+    root = tmp_path_factory.mktemp("bad-drafters")
+    good = models["llama-edsd"]
+
+    def variant(name: str, edit_config=None, edit_tensors=None) -> str:
+        out = root / name
+        shutil.copytree(good, out)
+        if edit_config:
+            cfg = json.loads((out / "config.json").read_text())
+            edit_config(cfg)
+            (out / "config.json").write_text(json.dumps(cfg))
+        if edit_tensors:
+            tensors = load_file(out / "model.safetensors")
+            edit_tensors(tensors)
+            save_file(tensors, out / "model.safetensors")
+        return str(out)
+
+    def three_ids(cfg):
+        cfg["edsd_config"]["aux_layer_ids"] = [1, 2, 3]
+
+    def out_of_range(cfg):
+        cfg["edsd_config"]["aux_layer_ids"] = [1, 9]
+        cfg["edsd_config"].pop("target")
+
+    other_target = make_target(root / "wide-target", hidden_size=128, num_heads=2, num_kv_heads=1)
+    make_drafter(other_target, root / "other-target-drafter", draft_vocab_size=256)
+    no_weights = variant("no-weights")
+    (root / "no-weights" / "model.safetensors").unlink()
+    no_config = variant("no-config")
+    (root / "no-config" / "config.json").unlink()
+    (root / "broken-json").mkdir()
+    (root / "broken-json" / "config.json").write_text("{not json")
+    make_drafter(models["llama"], root / "training-layout", draft_vocab_size=256, layout="training")
+    return {
+        "three_ids": variant("three-ids", three_ids),
+        "out_of_range": variant("out-of-range", out_of_range),
+        "missing_tensor": variant("missing-tensor", edit_tensors=lambda t: t.pop("lm_head.weight")),
+        "wrong_shape": variant("wrong-shape", edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:, :100].clone()})),
+        "other_target": str(root / "other-target-drafter"),
+        "no_weights": no_weights,
+        "no_config": no_config,
+        "broken_json": str(root / "broken-json"),
+        "training_layout": str(root / "training-layout"),
+        "missing_dir": str(root / "does-not-exist"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("three_ids", "exactly two"),
+        ("out_of_range", "do not exist in a target with 4 layers"),
+        ("missing_tensor", "missing tensor(s): lm_head.weight"),
+        ("wrong_shape", "tensor 'fc.weight' has shape [256, 100], expected [256, 512]"),
+        ("other_target", "does not fit the target model"),
+        ("no_weights", "no weights found"),
+        ("no_config", "no config.json"),
+        ("broken_json", "invalid JSON"),
+        ("training_layout", "edsd convert"),
+        ("missing_dir", "no such directory"),
+    ],
+)
+def test_bad_drafter_is_refused_with_a_clear_error(models, drafters, case, expected):
+    with pytest.raises(EDSDError) as err:
+        engine_config(models["llama"], spec(drafters[case]))
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"bogus_field": 1}, "unknown field(s) 'bogus_field'"),
+        ({"num_speculative_tokens": "four"}, "'num_speculative_tokens' must be a positive integer"),
+        ({"num_speculative_tokens": 0}, "'num_speculative_tokens' must be a positive integer"),
+        ({"draft_sample_method": "beam"}, "'draft_sample_method' must be one of"),
+        ({"model": None}, "needs 'model'"),
+    ],
+)
+def test_malformed_speculative_config(models, extra, expected):
+    with pytest.raises(EDSDError) as err:
+        engine_config(models["llama"], spec(models["llama-edsd"], **extra))
+    assert expected in str(err.value)
+
+
+def test_eagle3_drafter_under_edsd_method_is_refused(models, tmp_path):
+    eagle_like = tmp_path / "eagle3"
+    shutil.copytree(models["llama-edsd"], eagle_like)
+    cfg = json.loads((eagle_like / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLMEagle3"]
+    (eagle_like / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EDSDError, match='use "method": "eagle3"'):
+        engine_config(models["llama"], spec(eagle_like))
+
+
+def test_good_config_resolves_to_vllms_eagle3_path(models):
+    config = engine_config(models["llama"], spec(models["llama-edsd"]))
+    assert config.speculative_config.method == "eagle3"
+    assert config.speculative_config.draft_model_config.architectures == ["Eagle3EDSDLlamaForCausalLM"]
+
+
+def test_offline_process_exits_with_the_message(models, drafters):
+    script = (
+        "from vllm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    LLM({models['llama']!r}, gpu_memory_utilization=0.25, speculative_config={spec(drafters['missing_tensor'])!r})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "missing tensor(s): lm_head.weight" in proc.stderr
+
+
+def test_server_exits_with_the_message(models, drafters):
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", models["llama"],
+        "--port", "0", "--gpu-memory-utilization", "0.25",
+        "--speculative-config", json.dumps(spec(drafters["other_target"])),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "does not fit the target model" in proc.stdout + proc.stderr

