@@ -58,7 +58,8 @@ def main(job_path: str, out_path: str) -> None:
         before = spec_counters(llm)
         outputs, proposals = [], []
         # Recorded proposals are attributed to a prompt by running prompts one at a time.
-        for group in ([[p] for p in prompts] if record else [prompts]):
+        one_at_a_time = record or phase.get("one_at_a_time", False)
+        for group in ([[p] for p in prompts] if one_at_a_time else [prompts]):
             outputs += [list(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False)]
             if record:
                 proposals.append(llm.collective_rpc(_take_recorded)[0])

@@ -65,3 +65,24 @@ def test_chat_completions(server):
                 delta = json.loads(line[6:])["choices"][0]["delta"]
                 pieces.append(delta.get("content") or "")
     assert "".join(pieces) == text
+
+
+def test_data_parallel_2(models, baseline, tmp_path):
+    """Two engine cores behind one server (``--data-parallel-size 2``), each drafting."""
+    spec = {"method": "edsd", "model": models["llama-edsd-constant"], "num_speculative_tokens": 4}
+    args = ["--served-model-name", "toy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+            "--data-parallel-size", "2"]
+    with running_server(models["llama"], spec, extra_args=args, log_path=tmp_path / "dp.log",
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
+        body = {"model": "toy", "prompt": PROMPTS, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "return_tokens_as_token_ids": True, "logprobs": 1}
+        choices = sorted(requests.post(f"{base}/v1/completions", json=body, timeout=300).json()["choices"],
+                         key=lambda c: c["index"])
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+    assert [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices] == baseline("llama")
+    drafting_engines = {
+        line.split('engine="', 1)[1].split('"', 1)[0]
+        for line in metrics.splitlines()
+        if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0
+    }
+    assert drafting_engines == {"0", "1"}

@@ -9,6 +9,7 @@ which is the same server.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -52,13 +53,17 @@ def running_server(
     extra_args: list[str] | None = None,
     log_path: str | Path | None = None,
     startup_timeout_s: float = 600,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Yield the base URL of a healthy server; always terminate it afterwards."""
     import requests
 
     port = free_port()
     log = open(log_path, "w+") if log_path else open("/dev/null", "w+")
-    proc = subprocess.Popen(server_command(target, spec, port, extra_args), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        server_command(target, spec, port, extra_args),
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + startup_timeout_s
