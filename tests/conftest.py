@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from vllm_edsd.toy import make_drafter, make_target
+from weights_convert import convert
 
 HERE = Path(__file__).parent
 ENGINE_TIMEOUT_S = int(os.environ.get("EDSD_TEST_ENGINE_TIMEOUT", "900"))
@@ -92,8 +93,12 @@ def models(tmp_path_factory) -> dict:
     paths = {
         "llama": make_target(root / "llama", arch="llama"),
         "qwen3": make_target(root / "qwen3", arch="qwen3", seed=1),
+        # A target of another width: drafters for it do not fit the others.
+        "llama-narrow": make_target(root / "llama-narrow", hidden_size=128, num_heads=2, num_kv_heads=1),
     }
-    make_drafter(paths["llama"], root / "llama-edsd", draft_vocab_size=256, aux_layer_ids=(1, 3))
+    # The main drafter takes the user's path: training layout, then `edsd convert`.
+    make_drafter(paths["llama"], root / "llama-edsd-training", draft_vocab_size=256, aux_layer_ids=(1, 3), layout="training")
+    convert(root / "llama-edsd-training", root / "llama-edsd", target=paths["llama"])
     constant = most_frequent_greedy_token(paths["llama"], 512 - CONSTANT_DRAFT_VOCAB)
     make_drafter(
         paths["llama"], root / "llama-edsd-constant", draft_vocab_size=CONSTANT_DRAFT_VOCAB, constant_token=constant

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from vllm_edsd.config import EDSDError
-from vllm_edsd.toy import make_drafter, make_target
+from vllm_edsd.toy import make_drafter
 
 
 def engine_config(target: str, spec: dict):
@@ -52,8 +52,7 @@ def drafters(models, tmp_path_factory) -> dict[str, str]:
         cfg["edsd_config"]["aux_layer_ids"] = [1, 9]
         cfg["edsd_config"].pop("target")
 
-    other_target = make_target(root / "wide-target", hidden_size=128, num_heads=2, num_kv_heads=1)
-    make_drafter(other_target, root / "other-target-drafter", draft_vocab_size=256)
+    make_drafter(models["llama-narrow"], root / "other-target-drafter", draft_vocab_size=256)
     no_weights = variant("no-weights")
     (root / "no-weights" / "model.safetensors").unlink()
     no_config = variant("no-config")

@@ -38,7 +38,8 @@ def test_greedy_output_identical_with_edsd(eager_run, baseline):
 
 
 def test_drafts_match_reference_model(models, eager_run):
-    """Every chain vLLM drafted equals the reference model's chain for that context."""
+    """Every chain vLLM drafted (from a drafter converted by `edsd convert`) equals the
+    reference model's chain for that context: first and fed-back draft steps."""
     run = eager_run
     target = load_target(models["llama"])
     drafter = EDSDDraftModel.from_pretrained(models["llama-edsd"], embed_tokens=target.model.embed_tokens.weight)

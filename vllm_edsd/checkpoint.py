@@ -50,7 +50,7 @@ def _open_safetensors(file: Path):
     try:
         return safe_open(str(file), framework="pt")
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        raise EDSDError(f"{file}: not a readable safetensors file ({exc})") from None
+        raise EDSDError(f"{file}: not a readable safetensors file, truncated or corrupt ({exc})") from None
 
 
 def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
