@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_edsd.acceptance import replay, total
 from vllm_edsd.toy import make_drafter, make_target
 from weights_convert import convert
 
@@ -44,20 +45,9 @@ def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
 
 
 def simulate_constant_drafter(outputs: list[list[int]], token: int, k: int) -> tuple[int, list[int]]:
-    """Drafts and accepted-per-position that a drafter always proposing ``token`` must
-    produce on these greedy outputs: each step drafts k copies, the target accepts the
-    leading ones equal to its own next tokens, then adds one token of its own."""
-    drafts, per_pos = 0, [0] * k
-    for out in outputs:
-        i = 0  # index of the last token the target has produced
-        while i < len(out) - 1:
-            drafts += 1
-            accepted = 0
-            while accepted < k and i + 1 + accepted < len(out) and out[i + 1 + accepted] == token:
-                per_pos[accepted] += 1
-                accepted += 1
-            i += accepted + 1
-    return drafts, per_pos
+    """Drafts and accepted-per-position of a drafter that always proposes ``token``."""
+    counters = total([replay(out, 0, k, lambda c: [token] * k) for out in outputs])
+    return counters.drafts, counters.accepted_per_pos
 
 
 def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: int = 48, **extra) -> dict:

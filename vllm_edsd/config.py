@@ -208,6 +208,41 @@ class EDSDConfig:
     def from_dir(cls, path: str | Path, **kwargs: Any) -> "EDSDConfig":
         return cls.from_dict(read_config_json(path), source=str(Path(path) / "config.json"), **kwargs)
 
+    @classmethod
+    def for_target(
+        cls,
+        target: dict,
+        aux_layer_ids: tuple[int, int],
+        *,
+        draft_vocab_size: int | None = None,
+        fuse_intermediate_size: int | None = None,
+        intermediate_size: int | None = None,
+    ) -> "EDSDConfig":
+        """A drafter shaped for a target's ``config.json`` (SPEC §2 defaults: d = d_t,
+        m = the target's FFN width, the target's attention geometry and RoPE)."""
+        t = target.get("text_config") or target
+        fingerprint = TargetFingerprint.from_hf_config(t)
+        copied = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "rope_theta",
+                  "rope_scaling")
+        raw = {k: t[k] for k in copied if t.get(k) is not None}
+        raw.update(
+            num_hidden_layers=1,
+            draft_vocab_size=draft_vocab_size or t["vocab_size"],
+            torch_dtype="float32",
+            edsd_config={
+                "aux_layer_ids": list(aux_layer_ids),
+                "aux_layer_id_convention": LAYER_INPUT,
+                "fuse_intermediate_size": fuse_intermediate_size or t["intermediate_size"],
+                "target": {k: v for k, v in asdict(fingerprint).items() if v is not None},
+            },
+        )
+        if intermediate_size:
+            raw["intermediate_size"] = intermediate_size
+        cfg = cls.from_dict(raw, source="drafter config for the target")
+        cfg.check_target(fingerprint)
+        return cfg
+
     # ---------------------------------------------------------------- writing
     def _llama_fields(self) -> dict:
         out = {

@@ -83,13 +83,17 @@ class KeyValueSteps:
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: EDSDConfig) -> None:
+    """Llama attention with the training-time-test key pattern. ``input_size`` differs from
+    the hidden size only for EAGLE-3, whose attention reads [embedding, feature] (2d)."""
+
+    def __init__(self, cfg: EDSDConfig, input_size: int | None = None) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
+        d_in = input_size or d
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(d_in, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d_in, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d_in, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
         self.register_buffer("inv_freq", rope_inverse_frequencies(hd, cfg.rope_parameters), persistent=False)
 

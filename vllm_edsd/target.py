@@ -46,6 +46,7 @@ class TargetOutputs:
 
     aux: dict[int, torch.Tensor]  # vLLM layer id -> [B, T, d_t]
     logits: torch.Tensor  # [B, T, V]
+    final_hidden: torch.Tensor  # [B, T, d_t]: the lm_head's input, logits = lm_head(final_hidden)
 
     def features(self, layer_ids: tuple[int, ...]) -> torch.Tensor:
         """Concatenation in ascending id order, as vLLM's runner concatenates them."""
@@ -73,12 +74,14 @@ def run_target(model, input_ids: torch.Tensor, layer_ids: tuple[int, ...], atten
     for layer_id in set(layer_ids):
         module = decoder.norm if layer_id == n else decoder.layers[layer_id]
         hooks.append(module.register_forward_pre_hook(capture(layer_id), with_kwargs=True))
+    hooks.append(model.get_output_embeddings().register_forward_pre_hook(capture(-1), with_kwargs=True))
     try:
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    return TargetOutputs(aux=captured, logits=out.logits.float())
+    final_hidden = captured.pop(-1)
+    return TargetOutputs(aux=captured, logits=out.logits.float(), final_hidden=final_hidden)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

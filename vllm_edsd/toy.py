@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import LAYER_INPUT, EDSDConfig, TargetFingerprint
+from .config import EDSDConfig
 from .reference import EDSDDraftModel
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -96,53 +96,6 @@ def target_config(target_dir: str | Path) -> dict:
     return json.loads((Path(target_dir) / "config.json").read_text())
 
 
-def drafter_config_for(
-    target_dir: str | Path,
-    aux_layer_ids: tuple[int, int],
-    *,
-    draft_vocab_size: int | None = None,
-    fuse_intermediate_size: int | None = None,
-    token_norm_folded: bool = False,
-) -> EDSDConfig:
-    """An EDSD config shaped for a target (SPEC §2 defaults: d = d_t, m = target FFN size)."""
-    t = target_config(target_dir)
-    fingerprint = TargetFingerprint.from_hf_config(t)
-    edsd = {
-        "aux_layer_ids": list(aux_layer_ids),
-        "aux_layer_id_convention": LAYER_INPUT,
-        "fuse_intermediate_size": fuse_intermediate_size or t["intermediate_size"],
-        "token_norm_folded": token_norm_folded,
-        "target": {
-            "vocab_size": fingerprint.vocab_size,
-            "hidden_size": fingerprint.hidden_size,
-            "num_hidden_layers": fingerprint.num_hidden_layers,
-            "model_type": fingerprint.model_type,
-        },
-    }
-    raw = {
-        key: t[key]
-        for key in (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "rms_norm_eps",
-            "max_position_embeddings",
-            "vocab_size",
-        )
-        if key in t
-    }
-    raw.update(
-        num_hidden_layers=1,
-        draft_vocab_size=draft_vocab_size or t["vocab_size"],
-        rope_parameters=t.get("rope_parameters") or {"rope_type": "default", "rope_theta": t.get("rope_theta", 10000.0)},
-        torch_dtype="float32",
-        edsd_config=edsd,
-    )
-    return EDSDConfig.from_dict(raw, source=f"drafter for {target_dir}")
-
-
 def make_drafter(
     target_dir: str | Path,
     out_dir: str | Path,
@@ -159,7 +112,7 @@ def make_drafter(
     zero, so every draft logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
     ``constant_token``. Its acceptance is therefore predictable from the target's output.
     """
-    cfg = drafter_config_for(target_dir, aux_layer_ids, draft_vocab_size=draft_vocab_size)
+    cfg = EDSDConfig.for_target(target_config(target_dir), aux_layer_ids, draft_vocab_size=draft_vocab_size)
     torch.manual_seed(seed)
     model = EDSDDraftModel(cfg)
     with torch.no_grad():

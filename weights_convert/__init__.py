@@ -1,5 +1,5 @@
 """Convert EDSD training checkpoints to the layout the vLLM plugin serves."""
 
-from .convert import Summary, convert
+from .converter import Summary, convert
 
 __all__ = ["Summary", "convert"]

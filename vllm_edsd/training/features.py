@@ -1,0 +1,104 @@
+"""Training data for a drafter: conversations → token ids + loss masks → target features,
+cached on disk in shards so that an interrupted extraction resumes where it stopped.
+
+Each cached sample keeps what training needs and nothing else: token ids, the assistant
+loss mask, the aux hidden states of the chosen layers and the target's final hidden state
+(the lm_head input; target logits, soft labels and entropies are recomputed from it, which
+is far smaller than storing logits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..data import Conversation, render_conversation
+from ..target import run_target
+
+SHARD_SIZE = 64
+
+
+def tokenize_conversations(tokenizer, conversations: list[Conversation], max_length: int) -> list[tuple[list[int], list[int]]]:
+    """Rendered samples that contain at least two tokens to learn."""
+    samples = []
+    for conv in conversations:
+        ids, mask = render_conversation(tokenizer, conv, max_length)
+        if sum(mask[2:]) >= 2:
+            samples.append((ids, mask))
+    return samples
+
+
+def cache_key(target: str, layer_ids: tuple[int, ...], samples: list[tuple[list[int], list[int]]]) -> str:
+    digest = hashlib.sha256(json.dumps([str(Path(target).resolve()), list(layer_ids)]).encode())
+    for ids, mask in samples:
+        digest.update(json.dumps([ids, mask]).encode())
+    return digest.hexdigest()[:16]
+
+
+def extract_features(
+    target_model,
+    samples: list[tuple[list[int], list[int]]],
+    layer_ids: tuple[int, ...],
+    cache_dir: Path,
+    *,
+    batch_size: int = 4,
+    device: str = "cpu",
+) -> list[Path]:
+    """Write shard files of target features into ``cache_dir``; existing shards are kept."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    shards = []
+    starts = range(0, len(samples), SHARD_SIZE)
+    for shard_index, start in enumerate(tqdm(starts, desc="target features", unit="shard")):
+        path = cache_dir / f"shard_{shard_index:05d}.pt"
+        shards.append(path)
+        if path.exists():
+            continue
+        records = []
+        chunk = samples[start : start + SHARD_SIZE]
+        for b in range(0, len(chunk), batch_size):
+            batch = chunk[b : b + batch_size]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            attention = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, (tokens, _) in enumerate(batch):
+                ids[row, : len(tokens)] = torch.tensor(tokens)
+                attention[row, : len(tokens)] = 1
+            out = run_target(target_model, ids.to(device), layer_ids, attention.to(device))
+            aux = out.features(layer_ids)
+            for row, (tokens, mask) in enumerate(batch):
+                n = len(tokens)
+                records.append({
+                    "input_ids": torch.tensor(tokens, dtype=torch.int32),
+                    "loss_mask": torch.tensor(mask, dtype=torch.bool),
+                    "aux": aux[row, :n].to(torch.float16).cpu(),
+                    "final": out.final_hidden[row, :n].to(torch.float16).cpu(),
+                })
+        tmp = path.with_suffix(".tmp")
+        torch.save(records, tmp)
+        tmp.replace(path)
+    return shards
+
+
+def iterate_batches(shards: list[Path], batch_size: int, generator: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
+    """Right-padded batches, shards and samples in a seeded random order."""
+    for shard_index in torch.randperm(len(shards), generator=generator).tolist():
+        records = torch.load(shards[shard_index], weights_only=True)
+        order = torch.randperm(len(records), generator=generator).tolist()
+        for b in range(0, len(order), batch_size):
+            batch = [records[i] for i in order[b : b + batch_size]]
+            width = max(len(r["input_ids"]) for r in batch)
+
+            def pad(key: str, fill=0) -> torch.Tensor:
+                first = batch[0][key]
+                out = torch.full((len(batch), width, *first.shape[1:]), fill, dtype=first.dtype)
+                for row, record in enumerate(batch):
+                    out[row, : len(record[key])] = record[key]
+                return out
+
+            yield {"input_ids": pad("input_ids").long(), "loss_mask": pad("loss_mask", False),
+                   "aux": pad("aux"), "final": pad("final")}
