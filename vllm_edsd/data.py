@@ -103,7 +103,9 @@ def _template_ids(tokenizer, messages: Conversation, generation_prompt: bool) ->
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def render_conversation(tokenizer, conversation: Conversation, max_length: int | None = None) -> tuple[list[int], list[int]]:
+def render_conversation(
+    tokenizer, conversation: Conversation, max_length: int | None = None, *, generation_prompt: bool = False
+) -> tuple[list[int], list[int]]:
     """Token ids of the conversation in the tokenizer's chat template and a loss mask that
     is 1 on assistant content and its end-of-turn marker, 0 on everything else (system and
     user turns, role headers), as SpecForge masks.
@@ -111,6 +113,7 @@ def render_conversation(tokenizer, conversation: Conversation, max_length: int |
     The mask comes from rendering growing prefixes, so it works with any chat template that
     renders a prefix of a conversation as a prefix of its tokens. A conversation that is a
     single assistant text, or a tokenizer without a template, is modelled as plain text.
+    ``generation_prompt`` appends the assistant header, to render a prompt for serving.
     """
     if tokenizer.chat_template is None or (len(conversation) == 1 and conversation[0]["role"] == "assistant"):
         ids = list(tokenizer(conversation[-1]["content"])["input_ids"])
@@ -126,6 +129,10 @@ def render_conversation(tokenizer, conversation: Conversation, max_length: int |
             if full[: len(ids)] != ids:
                 raise EDSDError("the chat template does not render a conversation prefix as a token prefix")
             mask += [1 if message["role"] == "assistant" else 0] * (len(full) - len(ids))
+            ids = full
+        if generation_prompt:
+            full = _template_ids(tokenizer, conversation, generation_prompt=True)
+            mask += [0] * (len(full) - len(ids))
             ids = full
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]

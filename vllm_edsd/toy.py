@@ -61,8 +61,10 @@ def make_target(
     intermediate_size: int = 512,
     vocab_size: int = 512,
     seed: int = 0,
+    train_steps: int = 0,
 ) -> Path:
-    """A random-weight causal LM with a tokenizer, loadable by transformers and vLLM."""
+    """A causal LM with a tokenizer, loadable by transformers and vLLM: random weights, or
+    with ``train_steps`` a model fitted to the toy corpus (confident where it memorised)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
@@ -88,8 +90,27 @@ def make_target(
     config_cls, model_cls = classes[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).to(torch.float32)
+    if train_steps:
+        _fit_to_corpus(model, out_dir, train_steps)
     model.save_pretrained(str(out_dir))
     return out_dir
+
+
+def _fit_to_corpus(model, tokenizer_dir: Path, steps: int, window: int = 64) -> None:
+    """A few hundred AdamW steps on the toy corpus (seconds on a CPU)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = torch.tensor(tokenizer(toy_corpus())["input_ids"])
+    chunks = ids[: len(ids) // window * window].view(-1, window)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=chunks, labels=chunks).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
 
 
 def target_config(target_dir: str | Path) -> dict:

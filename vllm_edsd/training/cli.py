@@ -87,28 +87,34 @@ def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]
 
 
 def regenerate(target: str, conversations: list, cache: Path, max_tokens: int) -> list:
-    """Replace every assistant turn by the target's own greedy answer (turn by turn)."""
+    """Replace every assistant turn by the target's own greedy answer, turn by turn, with
+    vLLM (batched); the result is cached so a rerun does not regenerate."""
     if cache.exists():
         return [json.loads(line) for line in cache.read_text().splitlines()]
+    import gc
+
     from vllm import SamplingParams
 
     from ..engine import make_llm
 
     llm = make_llm(target)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    out = [[m for m in conv if m["role"] != "assistant"][:1] for conv in conversations]
+    out = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
     users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
     for turn in range(max(len(u) for u in users)):
         active = [i for i, u in enumerate(users) if turn < len(u)]
         for i in active:
-            if turn > 0:
-                out[i].append(users[i][turn])
+            out[i].append(users[i][turn])
         replies = llm.chat([out[i] for i in active], params, use_tqdm=True)
         for i, reply in zip(active, replies):
             out[i].append({"role": "assistant", "content": reply.outputs[0].text})
+    del llm
+    gc.collect()
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text("".join(json.dumps(c) + "\n" for c in out))
-    return out
+    partial = cache.with_suffix(".partial")
+    partial.write_text("".join(json.dumps(c) + "\n" for c in out if len(c) > 1))
+    partial.replace(cache)
+    return [c for c in out if len(c) > 1]
 
 
 def build_model(args, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t, t2d):

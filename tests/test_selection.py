@@ -1,0 +1,65 @@
+"""EDSelect's metrics on matrices with known structure, the selection rule, and the command."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from vllm_edsd import selection
+from vllm_edsd.cli import main
+
+G = torch.Generator().manual_seed(0)
+
+
+def test_matrix_entropy_counts_directions():
+    d = 32
+    isotropic = torch.randn(20000, d, generator=G)
+    assert selection.matrix_entropy(isotropic) == pytest.approx(math.log(d), abs=0.02)
+    rank4 = torch.randn(20000, 4, generator=G) @ torch.linalg.qr(torch.randn(d, 4, generator=G)).Q.T
+    assert selection.matrix_entropy(rank4) == pytest.approx(math.log(4), abs=0.02)
+
+
+def test_curvature_straight_and_random():
+    line = torch.linspace(0, 1, 50)[:, None] * torch.randn(1, 16, generator=G)
+    assert selection.curvature_score([line]) == pytest.approx(math.pi, abs=1e-4)  # angle 0
+    zigzag = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
+    assert selection.curvature_score([zigzag]) == pytest.approx(0.0, abs=1e-4)  # angle pi
+    walk = torch.randn(4000, 256, generator=G).cumsum(0)  # independent steps: angle pi/2
+    assert selection.curvature_score([walk]) == pytest.approx(math.pi / 2, abs=0.02)
+
+
+def test_lidar_is_the_effective_rank_of_class_separation():
+    d, k = 16, 3
+    directions = torch.linalg.qr(torch.randn(d, k, generator=G)).Q.T
+    classes = []
+    for _ in range(300):
+        centre = torch.randn(k, generator=G) @ directions * 10
+        classes.append(centre + 0.01 * torch.randn(8, d, generator=G))
+    assert selection.lidar(classes) == pytest.approx(k, rel=0.1)
+
+
+def test_select_layers_rule():
+    scores = {1: {"curvature": 0.1, "lidar": 5}, 2: {"curvature": 0.9, "lidar": 7}, 3: {"curvature": 0.5, "lidar": 6}}
+    assert selection.select_layers(scores) == (2, 3, {"curvature": 2, "lidar": 3})  # same best: next by LiDAR
+    scores[1]["lidar"] = 9
+    assert selection.select_layers(scores) == (1, 2, {"curvature": 2, "lidar": 1})
+
+
+def test_select_command(models, tmp_path, capsys):
+    data = tmp_path / "calib.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"Sample number {i}: the quick brown fox jumps over the lazy dog."})
+                              for i in range(6)))
+    out, png = tmp_path / "layers.json", tmp_path / "layers.png"
+    assert main(["select", models["llama"], "--data", str(data), "--samples", "6", "--out", str(out),
+                 "--plot", str(png)]) == 0
+    result = json.loads(out.read_text())
+    assert sorted(result["scores"]) == ["1", "2", "3", "4"]
+    a, b = result["aux_layer_ids"]
+    assert 1 <= a < b <= 4 and result["aux_layer_id_convention"] == "layer_input"
+    assert {result["chosen_by"]["curvature"], result["chosen_by"]["lidar"]} == {a, b}
+    assert png.stat().st_size > 1000
+    assert "aux layers (vLLM convention)" in capsys.readouterr().out
+    assert main(["select", models["llama"], "--data", str(tmp_path / "missing.json"), "--out", str(out)]) == 2
