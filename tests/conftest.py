@@ -50,6 +50,24 @@ def simulate_constant_drafter(outputs: list[list[int]], token: int, k: int) -> t
     return counters.drafts, counters.accepted_per_pos
 
 
+def edited_copy(src, dst: Path, edit_config=None, edit_tensors=None) -> Path:
+    """A copy of a drafter directory with its config.json and/or tensors edited in place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors:
+        tensors = load_file(dst / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
 def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: int = 48, **extra) -> dict:
     return {
         "name": name,

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import edited_copy
 from vllm_edsd.cli import main
 from vllm_edsd.config import EDSDConfig
 from vllm_edsd.reference import EDSDDraftModel
@@ -36,19 +37,6 @@ def run_convert(capsys, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def copy_with(src: Path, dst: Path, edit_config=None, edit_tensors=None) -> Path:
-    shutil.copytree(src, dst)
-    if edit_config:
-        cfg = json.loads((dst / "config.json").read_text())
-        edit_config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    if edit_tensors:
-        tensors = load_file(dst / "model.safetensors")
-        edit_tensors(tensors)
-        save_file(tensors, dst / "model.safetensors")
-    return dst
-
-
 def test_converts_and_summarises(models, training_ckpt, tmp_path, capsys):
     code, out, _ = run_convert(capsys, training_ckpt, tmp_path / "out", "--target", models["llama"])
     assert code == 0
@@ -70,7 +58,7 @@ def test_layer_output_convention_shifts_ids(training_ckpt, tmp_path, capsys):
         cfg["edsd_config"]["aux_layer_ids"] = [0, 2]
         cfg["edsd_config"]["aux_layer_id_convention"] = "layer_output"
 
-    src = copy_with(training_ckpt, tmp_path / "src", specforge)
+    src = edited_copy(training_ckpt, tmp_path / "src", specforge)
     code, out, _ = run_convert(capsys, src, tmp_path / "out")
     assert code == 0 and "[0, 2] (layer_output) = [1, 3]" in out
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3]
@@ -175,7 +163,7 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_refused(training_ckpt, tmp_path, capsys, case):
     edits, expected = BAD_INPUTS[case]
-    src = copy_with(training_ckpt, tmp_path / "src", edits.get("config"), edits.get("tensors"))
+    src = edited_copy(training_ckpt, tmp_path / "src", edits.get("config"), edits.get("tensors"))
     dst = tmp_path / "out"
     code, out, err = run_convert(capsys, src, dst)
     assert code == 2
@@ -200,20 +188,20 @@ def test_bad_input_is_refused(training_ckpt, tmp_path, capsys, case):
 def test_bad_files_and_flags(models, training_ckpt, tmp_path, capsys, make, expected):
     src, extra = tmp_path / "src", []
     if make == "truncated":
-        _truncate(copy_with(training_ckpt, src))
+        _truncate(edited_copy(training_ckpt, src))
     elif make == "invalid json":
-        copy_with(training_ckpt, src)
+        edited_copy(training_ckpt, src)
         (src / "config.json").write_text("{")
     elif make == "vllm layout":
         make_drafter(models["llama"], src, draft_vocab_size=256)
     elif make == "other target":
-        copy_with(training_ckpt, src)
+        edited_copy(training_ckpt, src)
         extra = ["--target", models["llama-narrow"]]
     elif make == "fold without target":
-        copy_with(training_ckpt, src)
+        edited_copy(training_ckpt, src)
         extra = ["--fold-token-norm"]
     elif make == "bad dtype flag":
-        copy_with(training_ckpt, src)
+        edited_copy(training_ckpt, src)
         extra = ["--dtype", "float64"]
     dst = tmp_path / "out"
     try:

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from safetensors.torch import load_file, save_file
 
+from conftest import edited_copy
 from vllm_edsd.config import EDSDError
 from vllm_edsd.toy import make_drafter
 
@@ -33,17 +33,7 @@ def drafters(models, tmp_path_factory) -> dict[str, str]:
     good = models["llama-edsd"]
 
     def variant(name: str, edit_config=None, edit_tensors=None) -> str:
-        out = root / name
-        shutil.copytree(good, out)
-        if edit_config:
-            cfg = json.loads((out / "config.json").read_text())
-            edit_config(cfg)
-            (out / "config.json").write_text(json.dumps(cfg))
-        if edit_tensors:
-            tensors = load_file(out / "model.safetensors")
-            edit_tensors(tensors)
-            save_file(tensors, out / "model.safetensors")
-        return str(out)
+        return str(edited_copy(good, root / name, edit_config, edit_tensors))
 
     def three_ids(cfg):
         cfg["edsd_config"]["aux_layer_ids"] = [1, 2, 3]

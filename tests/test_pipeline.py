@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from conftest import greedy_phase

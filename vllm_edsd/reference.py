@@ -197,27 +197,39 @@ def check_tensors(cfg: EDSDConfig, shapes: dict[str, tuple[int, ...]], *, layout
             raise EDSDError(f"{source}: tensor '{name}' has shape {list(shape)}, expected {list(expected[name])}{hint}")
 
 
-class EDSDDraftModel(nn.Module):
-    """The EDSD drafter. Parameter names are those of the training layout (SPEC §3.1)."""
+class DraftHead(nn.Module):
+    """What every EAGLE-style drafter here has: the target's frozen embedding, ``fc`` over
+    ``num_aux`` concatenated target features, the final norm, the draft-vocab head and the
+    ``d2t``/``t2d`` vocabulary maps. Subclasses add the layer(s) and ``step``."""
 
-    def __init__(self, cfg: EDSDConfig) -> None:
+    def __init__(self, cfg: EDSDConfig, num_aux: int) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(2 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.edfuse = EDFuse(cfg)
-        self.midlayer = DraftDecoderLayer(cfg)
+        self.fc = nn.Linear(num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
 
-    # ------------------------------------------------------------ forward
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """``fc`` on the concatenated target features (first draft step only)."""
         return self.fc(features)
 
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+class EDSDDraftModel(DraftHead):
+    """The EDSD drafter. Parameter names are those of the training layout (SPEC §3.1)."""
+
+    def __init__(self, cfg: EDSDConfig) -> None:
+        super().__init__(cfg, num_aux=2)
+        self.edfuse = EDFuse(cfg)
+        self.midlayer = DraftDecoderLayer(cfg)
+
+    # ------------------------------------------------------------ forward
     def step(
         self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,9 +237,6 @@ class EDSDDraftModel(nn.Module):
         u = self.edfuse(g, self.embed_tokens(input_ids))
         a = self.midlayer(u, positions, kv)
         return self.lm_head(self.norm(a)), a
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
     def target_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Scatter draft-vocab logits into the target vocab (-inf elsewhere), as vLLM does."""

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..checkpoint import SAFETENSORS, save_safetensors
 from ..config import EDSDConfig
-from ..reference import DTYPES, DraftAttention, KeyValueSteps, RMSNorm, SwiGLU
+from ..reference import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -37,30 +37,17 @@ class Eagle3DecoderLayer(nn.Module):
         return a + self.mlp(self.post_attention_layernorm(a))
 
 
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(DraftHead):
     """Same interface as ``EDSDDraftModel`` (project / step / d2t) so one trainer serves both."""
 
     def __init__(self, cfg: EDSDConfig, aux_layer_ids: tuple[int, int, int]) -> None:
-        super().__init__()
-        self.config, self.aux_layer_ids = cfg, tuple(sorted(aux_layer_ids))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        super().__init__(cfg, num_aux=3)
+        self.aux_layer_ids = tuple(sorted(aux_layer_ids))
         self.midlayer = Eagle3DecoderLayer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features)
 
     def step(self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps):
         a = self.midlayer(self.embed_tokens(input_ids), g, positions, kv)
         return self.lm_head(self.norm(a)), a
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
     def save_pretrained(self, path: str | Path, dtype: str | None = None) -> None:
         """config.json + model.safetensors that vLLM's EAGLE-3 loader reads as they are."""
