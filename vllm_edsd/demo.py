@@ -109,24 +109,19 @@ def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
 
 
 def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
-    import gc
-
     from vllm import SamplingParams
 
-    from .engine import make_llm, spec_counters
+    from .engine import llm_session, spec_counters
 
-    llm = make_llm(target, spec)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(max_tokens=8), use_tqdm=False)
-    before, texts, tokens, start = spec_counters(llm), [], 0, time.time()
-    for _, prompt in DEMO_PROMPTS:  # one at a time: batch size 1
-        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
-        texts.append(out.text)
-        tokens += len(out.token_ids)
-    result = {"texts": texts, "tokens_per_s": tokens / (time.time() - start), "counters": spec_counters(llm) - before}
-    del llm
-    gc.collect()
-    return result
+    with llm_session(target, spec) as llm:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(max_tokens=8), use_tqdm=False)
+        before, texts, tokens, start = spec_counters(llm), [], 0, time.time()
+        for _, prompt in DEMO_PROMPTS:  # one at a time: batch size 1
+            out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
+            texts.append(out.text)
+            tokens += len(out.token_ids)
+        return {"texts": texts, "tokens_per_s": tokens / (time.time() - start), "counters": spec_counters(llm) - before}
 
 
 def run(args: argparse.Namespace) -> int:

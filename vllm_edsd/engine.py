@@ -8,6 +8,8 @@ length τ = 1 + accepted / drafts, per-position rate = accepted at position i / 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,20 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
         defaults["gpu_memory_utilization"] = CPU_MEMORY_FRACTION
     defaults.update(kwargs)
     return LLM(model=target, speculative_config=spec, **defaults)
+
+
+@contextmanager
+def llm_session(target: str, spec: dict | None = None, **kwargs: Any) -> Iterator[Any]:
+    """``make_llm`` that shuts its engine down on exit, so the next engine has the memory."""
+    import gc
+
+    llm = make_llm(target, spec, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
 
 
 @dataclass

@@ -91,25 +91,21 @@ def regenerate(target: str, conversations: list, cache: Path, max_tokens: int) -
     vLLM (batched); the result is cached so a rerun does not regenerate."""
     if cache.exists():
         return [json.loads(line) for line in cache.read_text().splitlines()]
-    import gc
-
     from vllm import SamplingParams
 
-    from ..engine import make_llm
+    from ..engine import llm_session
 
-    llm = make_llm(target)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     out = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
     users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
-    for turn in range(max(len(u) for u in users)):
-        active = [i for i, u in enumerate(users) if turn < len(u)]
-        for i in active:
-            out[i].append(users[i][turn])
-        replies = llm.chat([out[i] for i in active], params, use_tqdm=True)
-        for i, reply in zip(active, replies):
-            out[i].append({"role": "assistant", "content": reply.outputs[0].text})
-    del llm
-    gc.collect()
+    with llm_session(target) as llm:
+        for turn in range(max(len(u) for u in users)):
+            active = [i for i, u in enumerate(users) if turn < len(u)]
+            for i in active:
+                out[i].append(users[i][turn])
+            replies = llm.chat([out[i] for i in active], params, use_tqdm=True)
+            for i, reply in zip(active, replies):
+                out[i].append({"role": "assistant", "content": reply.outputs[0].text})
     cache.parent.mkdir(parents=True, exist_ok=True)
     partial = cache.with_suffix(".partial")
     partial.write_text("".join(json.dumps(c) + "\n" for c in out if len(c) > 1))

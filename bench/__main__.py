@@ -1,0 +1,127 @@
+"""``python -m bench SUITE --out DIR``: acceptance, throughput, latency, robustness, or all.
+
+Writes DIR/results.json (one object per measurement in ``runs`` plus a ``machine`` block),
+DIR/report.md and PNG plots. ``--quick`` shrinks every suite to minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+from vllm_edsd.config import EDSDError
+
+from .offline import Setup, acceptance, robustness, throughput
+from .report import plots, render
+
+SUITES = ("acceptance", "throughput", "latency", "robustness")
+
+
+def machine() -> dict:
+    import torch
+    import vllm
+
+    import vllm_edsd
+
+    accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
+    processor = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                processor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"processor": processor, "cores": os.cpu_count(), "accelerator": accelerator,
+            "vllm": vllm.__version__, "torch": torch.__version__, "vllm_edsd": vllm_edsd.__version__,
+            "python": platform.python_version()}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="example (GPU):\n  python -m bench all --target meta-llama/Llama-3.1-8B-Instruct "
+                                            "--eagle3 DRAFT_E3 --edsd DRAFT_EDSD --out results/")
+    parser.add_argument("suite", choices=(*SUITES, "all"))
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--target", help="target model (default: the embedded demo target)")
+    parser.add_argument("--edsd", help="EDSD drafter, vLLM layout (default: the demo's)")
+    parser.add_argument("--eagle3", help="EAGLE-3 drafter (default: the demo's)")
+    parser.add_argument("--methods", default="none,eagle3,edsd")
+    parser.add_argument("--k", default="4", help="num_speculative_tokens, comma-separated (default 4)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: proves the suites run (used by CI)")
+    parser.add_argument("--prompts-per-category", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--batch-sizes", default=None, help="default 1,2,4,...,256 (quick: 1,4)")
+    parser.add_argument("--qps", default=None, help="request rates for latency (default 0.5,1,2,4; quick: 1)")
+    parser.add_argument("--duration", type=int, default=None, help="seconds per request rate (default 120; quick 20)")
+    parser.add_argument("--users", type=int, default=8, help="locust users generating the arrivals")
+    return parser.parse_args(argv)
+
+
+def build_setup(args: argparse.Namespace) -> Setup:
+    drafters = {m: p for m, p in (("edsd", args.edsd), ("eagle3", args.eagle3)) if p}
+    target = args.target
+    if target is None:
+        from vllm_edsd.demo import demo_paths
+
+        try:
+            paths = demo_paths()
+        except EDSDError:
+            raise EDSDError("no demo models in this installation; pass --target (and --edsd/--eagle3)") from None
+        target = paths["target"]
+        drafters = {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters
+    methods = [m for m in args.methods.split(",") if m == "none" or m in drafters]
+    skipped = sorted(set(args.methods.split(",")) - set(methods))
+    if skipped:
+        print(f"skipping {', '.join(skipped)}: no drafter given", file=sys.stderr)
+    quick = args.quick
+    return Setup(
+        target=target, drafters=drafters, methods=methods, ks=[int(k) for k in args.k.split(",")],
+        prompts_per_category=args.prompts_per_category or (2 if quick else 8),
+        max_tokens=args.max_tokens or (24 if quick else 256),
+        batch_sizes=[int(b) for b in (args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256")).split(",")],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        setup = build_setup(args)
+    except EDSDError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    runs: list[dict] = []
+    for suite in suites:
+        if suite == "acceptance":
+            runs += acceptance(setup, (0.0, 1.0))
+        elif suite == "throughput":
+            runs += throughput(setup)
+        elif suite == "robustness":
+            runs += robustness(setup)
+        else:
+            from .latency import latency
+
+            rates = [float(q) for q in (args.qps or ("1" if args.quick else "0.5,1,2,4")).split(",")]
+            runs += latency(setup, rates, args.duration or (20 if args.quick else 120), args.users)
+    results = {"machine": machine(),
+               "config": {"target": setup.target, "drafters": setup.drafters, "methods": setup.methods,
+                          "ks": setup.ks, "quick": args.quick, "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)},
+               "runs": runs}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "report.md").write_text(render(results))
+    made = plots(results, out)
+    print(render(results))
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + "".join(f", {p.name}" for p in made))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The offline suites (acceptance, throughput, robustness), through ``LLM.generate``.
+
+One engine per (method, K), reused by every category, temperature and batch size, and freed
+before the next one starts (two engines do not fit the CPU build's memory check). Every
+``speedup`` divides two throughputs measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+from tqdm import tqdm
+
+from vllm_edsd.data import load_humaneval
+from vllm_edsd.engine import llm_session, spec_counters, speculative_config
+
+CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
+
+
+def load_prompts(category: str, limit: int) -> list[list[dict]]:
+    """Conversations (message lists ending in a user turn) of one category."""
+    if category == "code":
+        return [[{"role": "user", "content": "Complete this Python function:\n" + p["prompt"]}]
+                for p in load_humaneval()[:limit]]
+    data = json.loads(resources.files("bench").joinpath(f"prompts/{category}.json").read_text())
+    return data["conversations"][:limit]
+
+
+def system_prompts() -> list[str]:
+    return json.loads(resources.files("bench").joinpath("prompts/system_prompts.json").read_text())["system_prompts"]
+
+
+@dataclass
+class Setup:
+    """What a benchmark run is pointed at, and how much of it to run."""
+
+    target: str
+    drafters: dict[str, str]  # method -> drafter directory
+    methods: list[str]
+    ks: list[int]
+    prompts_per_category: int
+    max_tokens: int
+    batch_sizes: list[int]
+    runs: list[dict] = field(default_factory=list)
+
+    def methods_with_k(self) -> list[tuple[str, int]]:
+        """(method, K) pairs; "none" once, with K 0."""
+        pairs = [("none", 0)] if "none" in self.methods else []
+        return pairs + [(m, k) for m in self.methods if m != "none" for k in self.ks]
+
+
+def engine(setup: Setup, method: str, k: int):
+    """The engine for (method, K); sampled drafts at temperature > 0 (vLLM still drafts
+    greedily for greedy requests)."""
+    extra = {} if method == "none" else {"draft_sample_method": "probabilistic"}
+    return llm_session(setup.target, speculative_config(method, setup.drafters.get(method), k, **extra))
+
+
+def generate(llm, conversations: list[list[dict]], temperature: float, max_tokens: int, one_at_a_time: bool) -> dict:
+    """Output tokens/s and the spec-decode counters over these conversations."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    before, tokens, start = spec_counters(llm), 0, time.perf_counter()
+    groups = [[c] for c in conversations] if one_at_a_time else [conversations]
+    for group in groups:
+        tokens += sum(len(o.outputs[0].token_ids) for o in llm.chat(group, params, use_tqdm=False))
+    elapsed = time.perf_counter() - start
+    counters = spec_counters(llm) - before
+    return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
+            "tau": counters.mean_acceptance_length, "acceptance_per_pos": counters.acceptance_per_position,
+            "drafts": counters.drafts}
+
+
+def with_speedup(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """Add ``speedup`` = tokens/s over the no-speculation row with the same ``keys``."""
+    base = {tuple(r[k] for k in keys): r["output_tokens_per_s"] for r in rows if r["method"] == "none"}
+    for r in rows:
+        ref = base.get(tuple(r[k] for k in keys))
+        r["speedup"] = None if ref is None else r["output_tokens_per_s"] / ref
+    return rows
+
+
+def acceptance(setup: Setup, temperatures: tuple[float, ...] = (0.0, 1.0)) -> list[dict]:
+    """τ, per-position acceptance and speed-up per category, K and temperature, batch size 1."""
+    rows = []
+    for method, k in tqdm(setup.methods_with_k(), desc="acceptance", unit="engine"):
+        with engine(setup, method, k) as llm:
+            for temperature in temperatures:
+                for category in CATEGORIES:
+                    result = generate(llm, load_prompts(category, setup.prompts_per_category), temperature,
+                                      setup.max_tokens, one_at_a_time=True)
+                    rows.append({"suite": "acceptance", "method": method, "k": k, "category": category,
+                                 "temperature": temperature, "batch_size": 1, **result})
+    return with_speedup(rows, ("category", "temperature"))
+
+
+def throughput(setup: Setup) -> list[dict]:
+    """Output tokens/s and speed-up at each batch size (greedy, chain drafting)."""
+    pool = [c for cat in CATEGORIES for c in load_prompts(cat, setup.prompts_per_category)]
+    rows = []
+    for method, k in tqdm(setup.methods_with_k(), desc="throughput", unit="engine"):
+        with engine(setup, method, k) as llm:
+            generate(llm, pool[:1], 0.0, 8, one_at_a_time=False)  # warm-up
+            for batch in setup.batch_sizes:
+                prompts = [pool[i % len(pool)] for i in range(batch)]
+                result = generate(llm, prompts, 0.0, setup.max_tokens, one_at_a_time=False)
+                rows.append({"suite": "throughput", "method": method, "k": k, "batch_size": batch,
+                             "temperature": 0.0, **result})
+    return with_speedup(rows, ("batch_size",))
+
+
+def robustness(setup: Setup) -> list[dict]:
+    """τ on the chat prompts under each of the paper's ten system prompts vs none."""
+    chats = load_prompts("chat", setup.prompts_per_category)
+    variants = [("default", None)] + [(f"system-{i}", s) for i, s in enumerate(system_prompts())]
+    rows = []
+    for method, k in tqdm([p for p in setup.methods_with_k() if p[0] != "none"], desc="robustness", unit="engine"):
+        with engine(setup, method, k) as llm:
+            for name, system in variants:
+                convs = chats if system is None else [[{"role": "system", "content": system}, *c] for c in chats]
+                result = generate(llm, convs, 0.0, setup.max_tokens, one_at_a_time=False)
+                rows.append({"suite": "robustness", "method": method, "k": k, "system_prompt": name,
+                             "temperature": 0.0, **result})
+        default = next(r["tau"] for r in rows if r["method"] == method and r["k"] == k and r["system_prompt"] == "default")
+        for r in rows:
+            if r["method"] == method and r["k"] == k:
+                r["tau_drop"] = None if not default or r["tau"] is None else (r["tau"] - default) / default
+    return rows

@@ -1,0 +1,100 @@
+"""``report.md`` and the plots, rendered from ``results.json`` alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def render(results: dict) -> str:
+    runs, m = results["runs"], results["machine"]
+    out = [f"# Benchmark report\n\nmachine: {m['processor']} ({m['cores']} cores), accelerator: {m['accelerator']}; "
+           f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}\n\ntarget: `{results['config']['target']}`; "
+           f"drafters: " + ", ".join(f"{k} `{v}`" for k, v in results["config"]["drafters"].items())
+           + f"\n\ncommand: `{results['config']['command']}`\n"]
+    acc = [r for r in runs if r["suite"] == "acceptance"]
+    if acc:
+        out.append("## Acceptance (batch size 1)\n\nτ = mean acceptance length; speed-up over no speculation in the same run.\n")
+        out.append(_table(["method", "K", "T", "category", "τ", "acceptance per position", "tok/s", "speed-up"], [
+            [r["method"], str(r["k"]), _fmt(r["temperature"], ".0f"), r["category"], _fmt(r["tau"]),
+             " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]), _fmt(r["output_tokens_per_s"], ".1f"),
+             _fmt(r["speedup"])] for r in acc]))
+    thr = [r for r in runs if r["suite"] == "throughput"]
+    if thr:
+        out.append("\n## Throughput vs batch size (greedy, chain drafting)\n")
+        out.append(_table(["method", "K", "batch", "tok/s", "speed-up", "τ"], [
+            [r["method"], str(r["k"]), str(r["batch_size"]), _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r["speedup"]),
+             _fmt(r["tau"])] for r in thr]))
+    lat = [r for r in runs if r["suite"] == "latency"]
+    if lat:
+        out.append("\n## Latency vs request rate (Poisson arrivals, streaming, seconds)\n")
+        out.append(_table(["method", "K", "QPS", "requests", "failures", "e2e mean", "e2e p50", "e2e p99", "TTFT mean",
+                           "ITL mean"], [
+            [r["method"], str(r["k"]), _fmt(r["qps"], "g"), str(r["num_requests"]), str(r["failures"]),
+             _fmt(r["latency_mean_s"]), _fmt(r["latency_p50_s"]), _fmt(r["latency_p99_s"]), _fmt(r["ttft_mean_s"], ".3f"),
+             _fmt(r["itl_mean_s"], ".3f")] for r in lat]))
+    rob = [r for r in runs if r["suite"] == "robustness"]
+    if rob:
+        out.append("\n## Robustness to system prompts (paper Table 14; τ change vs no system prompt)\n")
+        out.append(_table(["method", "K", "system prompt", "τ", "change"], [
+            [r["method"], str(r["k"]), r["system_prompt"], _fmt(r["tau"]),
+             "–" if r.get("tau_drop") is None else f"{r['tau_drop']:+.1%}"] for r in rob]))
+    return "\n".join(out) + "\n"
+
+
+def plots(results: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, made = results["runs"], []
+
+    def save(fig, name):
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    acc = [r for r in runs if r["suite"] == "acceptance" and r["method"] != "none" and r["temperature"] == 0]
+    if acc:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in sorted({(r["method"], r["k"]) for r in acc}):
+            rows = [r for r in acc if (r["method"], r["k"]) == key and r["drafts"]]
+            if rows:
+                k = len(rows[0]["acceptance_per_pos"])
+                mean = [sum(r["acceptance_per_pos"][i] for r in rows) / len(rows) for i in range(k)]
+                ax.plot(range(1, k + 1), mean, marker="o", label=f"{key[0]} K={key[1]}")
+        ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance per position (T=0)")
+        ax.legend()
+        save(fig, "acceptance_per_position.png")
+    thr = [r for r in runs if r["suite"] == "throughput" and r["method"] != "none"]
+    if thr:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in sorted({(r["method"], r["k"]) for r in thr}):
+            rows = sorted((r for r in thr if (r["method"], r["k"]) == key), key=lambda r: r["batch_size"])
+            ax.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=f"{key[0]} K={key[1]}")
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set(xscale="log", xlabel="batch size", ylabel="speed-up", title="Throughput speed-up vs batch size")
+        ax.legend()
+        save(fig, "speedup_vs_batch.png")
+    lat = [r for r in runs if r["suite"] == "latency"]
+    if lat:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in sorted({(r["method"], r["k"]) for r in lat}):
+            rows = sorted((r for r in lat if (r["method"], r["k"]) == key), key=lambda r: r["qps"])
+            ax.plot([r["qps"] for r in rows], [r["latency_mean_s"] for r in rows], marker="o",
+                    label=key[0] if key[0] == "none" else f"{key[0]} K={key[1]}")
+        ax.set(xlabel="request rate (QPS)", ylabel="mean end-to-end latency (s)", title="Latency vs request rate")
+        ax.legend()
+        save(fig, "latency_vs_rate.png")
+    return made
