@@ -47,10 +47,12 @@ def run_rate(base: str, prompts_file: Path, qps: float, users: int, duration_s: 
     subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True,
                    timeout=duration_s + 300)
     stats = _stats(prefix)
-    e2e, ttft, itl = stats.get("e2e"), stats.get("ttft"), stats.get("itl")
+    chat, e2e, ttft, itl = (stats.get(name) for name in ("chat", "e2e", "ttft", "itl"))
+    with open(f"{prefix}_failures.csv") as f:
+        reasons = {row["Error"]: int(row["Occurrences"]) for row in csv.DictReader(f)}
     return {
-        "qps": qps, "num_requests": int(e2e["Request Count"]) if e2e else 0,
-        "failures": int(e2e["Failure Count"]) if e2e else 0,
+        "qps": qps, "num_requests": int(chat["Request Count"]) if chat else 0,
+        "failures": int(chat["Failure Count"]) if chat else 0, "failure_reasons": reasons,
         "latency_mean_s": _seconds(e2e, "Average Response Time"), "latency_p50_s": _seconds(e2e, "50%"),
         "latency_p99_s": _seconds(e2e, "99%"), "ttft_mean_s": _seconds(ttft, "Average Response Time"),
         "ttft_p99_s": _seconds(ttft, "99%"), "itl_mean_s": _seconds(itl, "Average Response Time"),

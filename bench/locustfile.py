@@ -1,9 +1,9 @@
 """Locust user for the latency suite: one streaming chat request per arrival.
 
 Arrivals are Poisson: each of the ``EDSD_BENCH_USERS`` users waits an exponential time with
-mean users/qps between requests, so the aggregate rate is about ``EDSD_BENCH_QPS``. Besides
-locust's own end-to-end timing ("e2e"), time to first token ("ttft") and the mean
-inter-token latency of each request ("itl") are reported as their own entries.
+mean users/qps between requests, so the aggregate rate is about ``EDSD_BENCH_QPS``. Each request
+("chat", failures counted there) reports its end-to-end time to the last streamed token
+("e2e"), its time to first token ("ttft") and its mean inter-token latency ("itl") as entries.
 """
 
 import json
@@ -30,7 +30,7 @@ class ChatUser(HttpUser):
                 "ignore_eos": True, "stream": True}
         start = time.perf_counter()
         stamps = []
-        with self.client.post("/v1/chat/completions", json=body, stream=True, name="e2e", catch_response=True) as r:
+        with self.client.post("/v1/chat/completions", json=body, stream=True, name="chat", catch_response=True) as r:
             if r.status_code != 200:
                 r.failure(f"HTTP {r.status_code}")
                 return
@@ -39,10 +39,12 @@ class ChatUser(HttpUser):
                     delta = json.loads(line[6:])["choices"][0]["delta"]
                     if delta.get("content"):
                         stamps.append(time.perf_counter())
-            if not stamps:
-                r.failure("no tokens streamed")
-                return
+        end = time.perf_counter()
         fire = self.environment.events.request.fire
+        fire(request_type="METRIC", name="e2e", response_time=(end - start) * 1000, response_length=len(stamps),
+             exception=None, context={})
+        if not stamps:  # tokens that detokenise to no text (special tokens): no TTFT/ITL sample
+            return
         fire(request_type="METRIC", name="ttft", response_time=(stamps[0] - start) * 1000, response_length=0,
              exception=None, context={})
         if len(stamps) > 1:

@@ -63,6 +63,8 @@ class Eagle3DraftModel(DraftHead):
             eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
         )
         tensors = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+        if cfg.draft_vocab_size == cfg.vocab_size:  # vLLM then has no draft-to-target map to load
+            tensors.pop("d2t"), tensors.pop("t2d")
         tensors = {k: v.detach().to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
