@@ -30,13 +30,11 @@ DEMO_PROMPTS = [
 
 
 def shipped_paths() -> dict[str, str] | None:
-    """Paths of the shipped demo pair, expanding the target on first use; None if absent."""
-    if not (ASSETS / "edsd" / "config.json").is_file():
+    """Paths of the shipped demo pair (``target``, ``edsd``, optional ``eagle3``); None if absent."""
+    paths = {name: ASSETS / name for name in ("target", "edsd", "eagle3") if (ASSETS / name / "config.json").is_file()}
+    if not {"target", "edsd"} <= set(paths):
         return None
-    from .demo_build.assets import ensure_target
-
-    paths = {"target": ensure_target(), "edsd": ASSETS / "edsd", "eagle3": ASSETS / "eagle3"}
-    return {k: str(Path(v).resolve()) for k, v in paths.items() if (Path(v) / "config.json").is_file()}
+    return {k: str(v.resolve()) for k, v in paths.items()}
 
 
 def toy_paths() -> dict[str, str]:

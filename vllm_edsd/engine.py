@@ -34,9 +34,9 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
     reads ``gpu_memory_utilization`` as a fraction of CPU memory)."""
     from vllm import LLM
 
-    defaults: dict[str, Any] = {"disable_log_stats": False, "max_model_len": 2048, "seed": 0}
+    defaults: dict[str, Any] = {"disable_log_stats": False, "seed": 0}
     if on_cpu():
-        defaults["gpu_memory_utilization"] = CPU_MEMORY_FRACTION
+        defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=2048)
     defaults.update(kwargs)
     return LLM(model=target, speculative_config=spec, **defaults)
 

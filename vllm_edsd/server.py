@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,7 +60,7 @@ def running_server(
     import requests
 
     port = free_port()
-    log = open(log_path, "w+") if log_path else open("/dev/null", "w+")
+    log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")  # kept for error messages
     proc = subprocess.Popen(
         server_command(target, spec, port, extra_args),
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
