@@ -127,3 +127,16 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: str | Path, metadat
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata or {"format": "pt"})
+
+
+def cast_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype) -> None:
+    """Copy a ``config.json`` + safetensors checkpoint with its floating tensors cast to ``dtype``."""
+    import json
+
+    src = Path(src)
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in iter_tensors(src)}
+    with atomic_directory(dst, force=True) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_safetensors(tensors, tmp / SAFETENSORS)

