@@ -58,8 +58,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--batch-sizes", default=None, help="default 1,2,4,...,256 (quick: 1,4)")
     parser.add_argument("--qps", default=None, help="request rates for latency (default 0.5,1,2,4; quick: 1)")
-    parser.add_argument("--duration", type=int, default=None, help="seconds per request rate (default 120; quick 20)")
-    parser.add_argument("--users", type=int, default=8, help="locust users generating the arrivals")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="Poisson arrivals per request rate (default 200; quick 16)")
+    parser.add_argument("--max-users", type=int, default=64,
+                        help="locust users, the most requests in flight at once (default 64)")
     return parser.parse_args(argv)
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             from .latency import latency
 
             rates = [float(q) for q in (args.qps or ("1" if args.quick else "0.5,1,2,4")).split(",")]
-            runs += latency(setup, rates, args.duration or (20 if args.quick else 120), args.users)
+            runs += latency(setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)
     results = {"machine": machine(),
                "config": {"target": setup.target, "drafters": setup.drafters, "methods": setup.methods,
                           "ks": setup.ks, "quick": args.quick, "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)},

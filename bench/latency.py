@@ -1,77 +1,144 @@
 """The latency suite: vLLM's OpenAI-compatible server per method on 127.0.0.1, driven by
-locust (headless, in its own process) with Poisson arrivals at fixed request rates.
+locust (headless, in its own process) with open-loop Poisson arrivals at fixed request rates.
 
-Traffic goes only to the loopback server this suite starts; each rate runs for a bounded
-time and the server is stopped afterwards, also on errors and interrupts.
+Open loop: the arrival times are drawn before the run (seeded, the same for every method), and
+a request is sent at its time whether or not earlier ones have finished, so the offered load is
+the requested rate and not whatever the server sustains. The locustfile writes every request's
+raw timings to a JSON-lines file; the statistics here are computed from those raw values.
+
+Traffic goes only to the loopback server this suite starts; each rate sends a bounded number of
+requests under a hard time limit, and the server is stopped afterwards, also on errors and
+interrupts.
 """
 
 from __future__ import annotations
 
-import csv
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from vllm_edsd.config import EDSDError
 from vllm_edsd.engine import speculative_config
 from vllm_edsd.server import running_server
 
 from .offline import CATEGORIES, Setup, load_prompts
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+SEED = 0
+START_LEAD_S = 2.0  # all locust users are spawned (within 1 s) before the first arrival
+DRAIN_S = 120.0  # per-request read timeout, and how long the run may go on after the last arrival
+LATE_S = 0.05  # a request sent later than this after its scheduled time counts as a late start
+NOT_COMPLETED = "not completed within the time limit"
 
 
-def _stats(csv_prefix: Path) -> dict[str, dict]:
-    with open(f"{csv_prefix}_stats.csv") as f:
-        return {row["Name"]: row for row in csv.DictReader(f)}
+def poisson_schedule(qps: float, num_requests: int, seed: int = SEED) -> list[float]:
+    """Arrival times (s from the start) of a Poisson process: exponential gaps with mean 1/qps.
+
+    Seeded so that every method is measured on the same arrivals.
+    """
+    return np.cumsum(np.random.default_rng(seed).exponential(1 / qps, num_requests)).tolist()
 
 
-def _seconds(row: dict | None, column: str) -> float | None:
-    if row is None or row.get(column) in (None, "", "N/A"):
+def summary(values: list[float], name: str) -> dict[str, float | None]:
+    """``{name}_mean_s``, ``_p50_s`` and ``_p99_s`` of raw per-request values (None if empty)."""
+    if not values:
+        return {f"{name}_{stat}_s": None for stat in ("mean", "p50", "p99")}
+    p50, p99 = np.percentile(np.asarray(values, dtype=float), [50, 99])
+    return {f"{name}_mean_s": float(np.mean(values)), f"{name}_p50_s": float(p50), f"{name}_p99_s": float(p99)}
+
+
+def ttft(record: dict) -> float | None:
+    """Time from sending to the first chunk that carries output tokens."""
+    return record["chunks"][0][0] if record["chunks"] else None
+
+
+def itl(record: dict) -> float | None:
+    """Mean inter-token latency of one request: time from the first to the last token-bearing
+    chunk over the tokens that came after the first chunk (several per chunk when drafts are
+    accepted)."""
+    if not record["chunks"]:
         return None
-    return float(row[column]) / 1000
+    (first_t, first_n), last_t = record["chunks"][0], record["chunks"][-1][0]
+    later_tokens = record["output_tokens"] - first_n
+    return (last_t - first_t) / later_tokens if later_tokens > 0 else None
 
 
-def run_rate(base: str, prompts_file: Path, qps: float, users: int, duration_s: int, max_tokens: int, workdir: Path) -> dict:
-    """One locust run at ``qps``; returns latency percentiles in seconds and failure counts."""
-    prefix = workdir / f"qps{qps}"
-    env = {**os.environ, "EDSD_BENCH_PROMPTS": str(prompts_file), "EDSD_BENCH_QPS": str(qps),
-           "EDSD_BENCH_USERS": str(users), "EDSD_BENCH_MAX_TOKENS": str(max_tokens)}
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base,
-           "-u", str(users), "-r", str(users), "--run-time", f"{duration_s}s", "--stop-timeout", "120",
-           "--csv", str(prefix), "--only-summary", "--exit-code-on-error", "0"]
-    subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True,
-                   timeout=duration_s + 300)
-    stats = _stats(prefix)
-    chat, e2e, ttft, itl = (stats.get(name) for name in ("chat", "e2e", "ttft", "itl"))
-    with open(f"{prefix}_failures.csv") as f:
-        reasons = {row["Error"]: int(row["Occurrences"]) for row in csv.DictReader(f)}
+def aggregate(records: list[dict], scheduled: int) -> dict:
+    """One result row's numbers from the raw records of a run that scheduled ``scheduled`` requests;
+    scheduled requests without a record count as failures."""
+    ok = [r for r in records if r["error"] is None]
+    reasons = Counter(r["error"] for r in records if r["error"] is not None)
+    if len(records) < scheduled:
+        reasons[NOT_COMPLETED] = scheduled - len(records)
+    starts = sorted(r["start_s"] for r in records)
+    window = max((r["start_s"] + r["e2e_s"] for r in ok), default=0.0) - (starts[0] if starts else 0.0)
+    tokens = sum(r["output_tokens"] for r in ok)
     return {
-        "qps": qps, "num_requests": int(chat["Request Count"]) if chat else 0,
-        "failures": int(chat["Failure Count"]) if chat else 0, "failure_reasons": reasons,
-        "latency_mean_s": _seconds(e2e, "Average Response Time"), "latency_p50_s": _seconds(e2e, "50%"),
-        "latency_p99_s": _seconds(e2e, "99%"), "ttft_mean_s": _seconds(ttft, "Average Response Time"),
-        "ttft_p99_s": _seconds(ttft, "99%"), "itl_mean_s": _seconds(itl, "Average Response Time"),
-        "itl_p99_s": _seconds(itl, "99%"),
+        "num_requests": scheduled, "failures": sum(reasons.values()), "failure_reasons": dict(reasons),
+        "late_starts": sum(r["start_s"] - r["scheduled_s"] > LATE_S for r in records),
+        "achieved_qps": (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 1 and starts[-1] > starts[0] else None,
+        "output_tokens": tokens, "output_tokens_per_s": tokens / window if window > 0 else None,
+        **summary([r["e2e_s"] for r in ok], "e2e"),
+        **summary([v for v in map(ttft, ok) if v is not None], "ttft"),
+        **summary([v for v in map(itl, ok) if v is not None], "itl"),
     }
 
 
-def latency(setup: Setup, rates: list[float], duration_s: int, users: int) -> list[dict]:
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def run_rate(base: str, prompts: list[list[dict]], qps: float, num_requests: int, max_users: int, max_tokens: int,
+             workdir: Path) -> dict:
+    """One locust run of ``num_requests`` Poisson arrivals at ``qps``; the row's latency numbers."""
+    arrivals = poisson_schedule(qps, num_requests)
+    plan = {"arrivals_s": arrivals, "messages": [prompts[i % len(prompts)] for i in range(num_requests)],
+            "max_tokens": max_tokens, "start_lead_s": START_LEAD_S, "request_timeout_s": DRAIN_S}
+    plan_file, records_file, log_file = (workdir / f"qps{qps}.{ext}" for ext in ("plan.json", "jsonl", "locust.log"))
+    plan_file.write_text(json.dumps(plan))
+    records_file.unlink(missing_ok=True)
+    users = min(num_requests, max_users)
+    run_time = math.ceil(START_LEAD_S + 1 + arrivals[-1] + DRAIN_S)  # hard limit; normally the last request ends it
+    env = {**os.environ, "EDSD_BENCH_PLAN": str(plan_file), "EDSD_BENCH_RECORDS": str(records_file)}
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base,
+           "-u", str(users), "-r", str(users), "--run-time", f"{run_time}s", "--only-summary",
+           "--exit-code-on-error", "0"]
+    with open(log_file, "w") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=run_time + 120)
+    if proc.returncode != 0:
+        raise EDSDError(f"locust exited with status {proc.returncode}:\n{log_file.read_text()[-4000:]}")
+    return {"qps": qps, "users": users, **aggregate(read_records(records_file), num_requests)}
+
+
+def warm_up(base: str) -> None:
+    """One short request, so that the first measured request does not pay for first-use costs."""
+    import requests
+
+    body = {"model": "bench", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    requests.post(f"{base}/v1/chat/completions", json=body, timeout=DRAIN_S).raise_for_status()
+
+
+def latency(setup: Setup, rates: list[float], num_requests: int, max_users: int) -> list[dict]:
+    """Latency rows per (method, K) and request rate, all methods on the same seeded arrivals."""
     prompts = [c for cat in CATEGORIES for c in load_prompts(cat, setup.prompts_per_category)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        prompts_file = workdir / "prompts.json"
-        prompts_file.write_text(json.dumps(prompts))
         for method, k in tqdm(setup.methods_with_k(), desc="latency", unit="server"):
+            workdir = Path(tmp) / f"{method}-k{k}"
+            workdir.mkdir()
             spec = speculative_config(method, setup.drafters.get(method), k)
             with running_server(setup.target, spec, extra_args=["--served-model-name", "bench"],
-                                log_path=workdir / f"server-{method}-{k}.log") as base:
+                                log_path=workdir / "server.log") as base:
+                warm_up(base)
                 for qps in rates:
-                    result = run_rate(base, prompts_file, qps, users, duration_s, setup.max_tokens, workdir)
+                    result = run_rate(base, prompts, qps, num_requests, max_users, setup.max_tokens, workdir)
                     rows.append({"suite": "latency", "method": method, "k": k, "temperature": 0.0, **result})
     return rows

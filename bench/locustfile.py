@@ -1,52 +1,98 @@
-"""Locust user for the latency suite: one streaming chat request per arrival.
+"""Locust user for the latency suite: one streaming chat request per scheduled arrival.
 
-Arrivals are Poisson: each of the ``EDSD_BENCH_USERS`` users waits an exponential time with
-mean users/qps between requests, so the aggregate rate is about ``EDSD_BENCH_QPS``. Each request
-("chat", failures counted there) reports its end-to-end time to the last streamed token
-("e2e"), its time to first token ("ttft") and its mean inter-token latency ("itl") as entries.
+``bench/latency.py`` writes the plan (arrival times, conversations, max_tokens, timeouts) to the
+JSON file named by ``EDSD_BENCH_PLAN``. Each user takes the next unclaimed arrival, sleeps until
+it and sends the request, so arrivals are open loop: a slow server does not lower the offered
+load, it only keeps more users busy. Every request's raw timings go as one JSON line to the file
+named by ``EDSD_BENCH_RECORDS``; the request that completes the plan stops locust.
+
+Chunks are read as they arrive (``chunk_size=None``) and timestamped on arrival; a chunk counts
+when it carries output tokens (``return_token_ids``), so a token that detokenises to no text
+still counts. Output tokens come from the final ``usage`` chunk.
 """
 
 import json
 import os
-import random
 import time
+from pathlib import Path
 
-from locust import HttpUser, task
+import gevent
+from locust import HttpUser, constant, events, task
+from locust.exception import StopUser
 
-PROMPTS = json.loads(open(os.environ["EDSD_BENCH_PROMPTS"]).read())
-QPS = float(os.environ["EDSD_BENCH_QPS"])
-USERS = int(os.environ["EDSD_BENCH_USERS"])
-MAX_TOKENS = int(os.environ["EDSD_BENCH_MAX_TOKENS"])
-RNG = random.Random(int(os.environ.get("EDSD_BENCH_SEED", "0")))
+PLAN = json.loads(Path(os.environ["EDSD_BENCH_PLAN"]).read_text())
+RECORDS = open(os.environ["EDSD_BENCH_RECORDS"], "a", buffering=1)  # one flushed line per request
+NEXT = iter(range(len(PLAN["arrivals_s"])))  # shared by all users; greenlets switch only on I/O
+state = {"t0": 0.0, "done": 0}
+
+
+@events.test_start.add_listener
+def start_clock(**_kwargs) -> None:
+    """Arrival times count from here plus a lead that covers spawning the users."""
+    state["t0"] = time.perf_counter() + PLAN["start_lead_s"]
+
+
+def chunk_tokens(event: dict) -> int:
+    """Output tokens in one chunk: its token ids, or 1 for text when the server sends no ids."""
+    return sum(len(c.get("token_ids") or ()) or bool(c["delta"].get("content")) for c in event.get("choices", ()))
+
+
+def read_stream(lines, start: float) -> dict:
+    """Token-bearing chunks as [seconds since ``start``, tokens], output tokens and error (None if ok)."""
+    chunks, usage_tokens = [], None
+    for line in lines:
+        arrived = time.perf_counter() - start
+        if not line.startswith(b"data: "):
+            continue
+        if line == b"data: [DONE]":
+            tokens = usage_tokens if usage_tokens is not None else sum(n for _, n in chunks)
+            return {"chunks": chunks, "output_tokens": tokens, "error": None}
+        event = json.loads(line[6:])
+        if "error" in event:
+            return {"chunks": chunks, "output_tokens": 0, "error": f"stream error: {event['error'].get('type')}"}
+        if event.get("usage"):
+            usage_tokens = event["usage"]["completion_tokens"]
+        if n := chunk_tokens(event):
+            chunks.append([arrived, n])
+    return {"chunks": chunks, "output_tokens": 0, "error": "truncated stream (no [DONE])"}
 
 
 class ChatUser(HttpUser):
-    def wait_time(self):
-        return RNG.expovariate(QPS / USERS)
+    wait_time = constant(0)
 
     @task
-    def chat(self):
-        body = {"model": "bench", "messages": RNG.choice(PROMPTS), "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+    def chat(self) -> None:
+        i = next(NEXT, None)
+        if i is None:
+            raise StopUser()
+        scheduled = state["t0"] + PLAN["arrivals_s"][i]
+        gevent.sleep(max(0.0, scheduled - time.perf_counter()))
         start = time.perf_counter()
-        stamps = []
-        with self.client.post("/v1/chat/completions", json=body, stream=True, name="chat", catch_response=True) as r:
+        result = self.send(PLAN["messages"][i], start)
+        record = {"id": i, "scheduled_s": scheduled - state["t0"], "start_s": start - state["t0"],
+                  "e2e_s": time.perf_counter() - start, **result}
+        RECORDS.write(json.dumps(record) + "\n")
+        state["done"] += 1
+        if state["done"] == len(PLAN["arrivals_s"]):
+            self.environment.runner.quit()
+
+    def send(self, messages: list[dict], start: float) -> dict:
+        """One streaming request; failures (HTTP status, exceptions, truncation) become the error."""
+        body = {"model": "bench", "messages": messages, "max_tokens": PLAN["max_tokens"], "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
+        with self.client.post("/v1/chat/completions", json=body, stream=True, name="chat", catch_response=True,
+                              timeout=(10, PLAN["request_timeout_s"])) as r:
             if r.status_code != 200:
-                r.failure(f"HTTP {r.status_code}")
-                return
-            for line in r.iter_lines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    delta = json.loads(line[6:])["choices"][0]["delta"]
-                    if delta.get("content"):
-                        stamps.append(time.perf_counter())
-        end = time.perf_counter()
-        fire = self.environment.events.request.fire
-        fire(request_type="METRIC", name="e2e", response_time=(end - start) * 1000, response_length=len(stamps),
-             exception=None, context={})
-        if not stamps:  # tokens that detokenise to no text (special tokens): no TTFT/ITL sample
-            return
-        fire(request_type="METRIC", name="ttft", response_time=(stamps[0] - start) * 1000, response_length=0,
-             exception=None, context={})
-        if len(stamps) > 1:
-            itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000
-            fire(request_type="METRIC", name="itl", response_time=itl, response_length=0, exception=None, context={})
+                error = f"HTTP {r.status_code}" if r.status_code else type(r.error).__name__
+                result = {"chunks": [], "output_tokens": 0, "error": error}
+            else:
+                try:
+                    result = read_stream(r.iter_lines(chunk_size=None), start)
+                except Exception as exc:  # a broken stream is a failed request, not a crashed user
+                    result = {"chunks": [], "output_tokens": 0, "error": type(exc).__name__}
+            if result["error"]:
+                r.failure(result["error"])
+            else:
+                r.success()
+        return result

@@ -201,7 +201,7 @@ def expand(factor_dir: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
         elif not name.endswith(".b"):
             dense[name] = tensor.to(dtype)
     config = shape.llama_config(special_token_ids(tokenizer))
-    config.torch_dtype = str(dtype).removeprefix("torch.")
+    config.dtype = dtype
     with atomic_directory(out_dir, force=True) as tmp:
         config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
