@@ -4,11 +4,15 @@ completions and chat, streaming and not, and the spec-decode counters on /metric
 from __future__ import annotations
 
 import json
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import PROMPTS, simulate_constant_drafter
+from vllm_edsd.config import EDSDError
 from vllm_edsd.engine import parse_prometheus_counters
 from vllm_edsd.server import running_server
 
@@ -86,3 +90,31 @@ def test_data_parallel_2(models, baseline, tmp_path):
         if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0
     }
     assert drafting_engines == {"0", "1"}
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of processes whose environment holds ``marker`` (vLLM's spawned engine processes
+    inherit the server's environment, not its command line)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_server_stopped_during_start_up_leaves_no_engine_process(models, tmp_path):
+    """A start-up time-out stops the API server and the engine core it had already spawned."""
+    marker = f"EDSD_TEST_MARKER={uuid.uuid4().hex}"
+    log = tmp_path / "startup.log"
+    with pytest.raises(EDSDError, match="not healthy"):
+        with running_server(models["llama"], log_path=log, startup_timeout_s=25,
+                            env={marker.split("=")[0]: marker.split("=")[1]}):
+            pass
+    assert "EngineCore" in log.read_text(), "the engine core had not started: the test proves nothing"
+    deadline = time.time() + 10
+    while _processes_with(marker) and time.time() < deadline:
+        time.sleep(0.5)
+    assert _processes_with(marker) == []

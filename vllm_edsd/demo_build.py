@@ -12,7 +12,7 @@ Stages, each skipped when its output exists (rerun the same command to resume):
 4. ``select``     EDSelect on the target;
 5. ``edsd`` / ``eagle3``  ``edsd train`` for both methods: same data, seed, epochs, TTT budget;
 6. ``convert``    the EDSD drafter to vLLM's layout (fp16), checked against the target;
-7. ``ship``       copy target factors + both drafters into ``--assets`` (what the package ships).
+7. ``--ship``     copy target factors + both drafters into vllm_edsd/assets/demo (what the package ships).
 """
 
 from __future__ import annotations
@@ -45,25 +45,29 @@ def sharegpt_split(args: argparse.Namespace) -> tuple[list, list]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("examples:\n  edsd build-demo --work runs/demo                 # everything, resumable\n"
-                     "  edsd build-demo --work runs/demo --device cuda   # train on a GPU\n"
-                     "  edsd build-demo --work runs/demo --ship         # then copy into the package")
-    parser.add_argument("--work", required=True, help="working directory (caches, checkpoints, logs)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--target-steps", type=int, default=TargetRecipe.steps, help="target LM optimizer steps")
-    parser.add_argument("--target-conversations", type=int, default=6000, help="ShareGPT conversations for the target")
-    parser.add_argument("--vocab-size", type=int, default=TargetShape.vocab_size)
-    parser.add_argument("--rank", type=int, default=TargetShape.rank)
-    parser.add_argument("--prompts", type=int, default=400, help="ShareGPT prompts the target answers for the drafters")
-    parser.add_argument("--answer-tokens", type=int, default=128, help="max tokens per regenerated answer")
-    parser.add_argument("--draft-epochs", type=int, default=8)
-    parser.add_argument("--ttt-steps", type=int, default=4, help="S_max for EDSD = fixed steps for EAGLE-3")
-    parser.add_argument("--draft-lr", type=float, default=1e-3)
-    parser.add_argument("--draft-vocab-size", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop-after", choices=("tokenizer", "target", "regenerate", "select", "edsd", "eagle3",
-                                                 "convert"), help="stop after this stage")
-    parser.add_argument("--ship", action="store_true", help=f"copy the results into {ASSETS}")
+    parser.description = __doc__
+    parser.epilog = ("examples:\n"
+                     "  edsd build-demo --work runs/demo --ship         # everything (rerun to resume), then ship\n"
+                     "  edsd build-demo --work runs/demo --device cuda  # train on a GPU\n"
+                     "  edsd build-demo --work runs/demo --stop-after target --target-steps 2000")
+    add = parser.add_argument
+    add("--work", required=True, help="working directory: caches, checkpoints, logs (reuse it to resume)")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda if present)")
+    add("--target-steps", type=int, default=TargetRecipe.steps,
+        help=f"target optimizer steps of {TargetRecipe.batch_size}x{TargetRecipe.seq_len} tokens (default {TargetRecipe.steps})")
+    add("--target-conversations", type=int, default=6000, help="ShareGPT conversations for the target (default 6000)")
+    add("--vocab-size", type=int, default=TargetShape.vocab_size, help=f"BPE vocabulary (default {TargetShape.vocab_size})")
+    add("--rank", type=int, default=TargetShape.rank, help=f"rank of the target's factors (default {TargetShape.rank})")
+    add("--prompts", type=int, default=400, help="ShareGPT prompts the target answers for the drafters (default 400)")
+    add("--answer-tokens", type=int, default=128, help="max tokens per regenerated answer (default 128)")
+    add("--draft-epochs", type=int, default=8, help="T for both drafters (default 8)")
+    add("--ttt-steps", type=int, default=4, help="S_max for EDSD = the fixed TTT steps of EAGLE-3 (default 4)")
+    add("--draft-lr", type=float, default=1e-3, help="drafter learning rate (default 1e-3)")
+    add("--draft-vocab-size", type=int, default=2048, help="draft vocabulary of both drafters (default 2048)")
+    add("--seed", type=int, default=0, help="seed of data order, initialisation and training (default 0)")
+    add("--stop-after", choices=("tokenizer", "target", "regenerate", "select", "edsd", "eagle3", "convert"),
+        help="stop after this stage")
+    add("--ship", action="store_true", help="copy the results into the package (vllm_edsd/assets/demo)")
 
 
 def build_tokenizer(work: Path, conversations: list, vocab_size: int) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -64,6 +65,7 @@ def running_server(
     proc = subprocess.Popen(
         server_command(target, spec, port, extra_args),
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        start_new_session=True,  # its own process group: stopping it reaches the engine processes too
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -81,10 +83,27 @@ def running_server(
             time.sleep(1)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process_group(proc)
         log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop a server and every process it started. A server stopped during start-up does not
+    shut its engine core and workers down itself, so what is left after the grace period is killed."""
+    pgid = proc.pid
+    if _group_alive(pgid):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    while (proc.poll() is None or _group_alive(pgid)) and time.time() < deadline:
+        time.sleep(0.2)
+    if _group_alive(pgid):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()
