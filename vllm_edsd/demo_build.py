@@ -27,10 +27,10 @@ import torch
 
 from .config import EDSDError
 from .data import load_sharegpt, render_conversation
+from .demo import ASSETS
 from .demo_target import (TargetRecipe, TargetShape, expand, low_rank_model, packed_sequences, save_factors,
                           special_token_ids, train_target)
 
-ASSETS = Path(__file__).parent / "assets" / "demo"
 TOKENIZER_CONVERSATIONS = 3000
 PROMPT_CHARS = 400  # drafter prompts are cut: training cost grows with every token of context
 
