@@ -129,6 +129,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], file: str | Path, metadat
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata or {"format": "pt"})
 
 
+def cast_floating(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating-point tensors cast to ``dtype``; integer and bool ones (``d2t``, ``t2d``) kept as they are."""
+    return {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
 def cast_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype) -> None:
     """Copy a ``config.json`` + safetensors checkpoint with its floating tensors cast to ``dtype``."""
     import json
@@ -136,7 +141,7 @@ def cast_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype) -> Non
     src = Path(src)
     config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in iter_tensors(src)}
+    tensors = cast_floating(dict(iter_tensors(src)), dtype)
     with atomic_directory(dst, force=True) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_safetensors(tensors, tmp / SAFETENSORS)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .checkpoint import SAFETENSORS, atomic_directory, save_safetensors
+from .checkpoint import SAFETENSORS, atomic_directory, cast_floating, save_safetensors
 from .config import EDSDError
 
 FACTOR_FILE = "factors.safetensors"
@@ -173,11 +173,9 @@ def train_target(model, data: torch.Tensor, recipe: TargetRecipe, work: Path, *,
 
 def save_factors(model, shape: TargetShape, out_dir: Path, dtype: torch.dtype = torch.float16) -> None:
     """What ships: the factors and every other tensor, plus the shape, in ``out_dir``."""
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(out_dir / FACTOR_FILE))
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to the embedding
+    save_safetensors(cast_floating(state, dtype), out_dir / FACTOR_FILE)
     (out_dir / SPEC_FILE).write_text(json.dumps(asdict(shape), indent=2) + "\n")
 
 

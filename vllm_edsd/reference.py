@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import SAFETENSORS, iter_tensors, save_safetensors
+from .checkpoint import SAFETENSORS, cast_floating, iter_tensors, save_safetensors
 from .config import TRAINING_TO_VLLM_NAMES, VLLM_TO_TRAINING_NAMES, EDSDConfig, EDSDError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -292,11 +292,10 @@ class EDSDDraftModel(DraftHead):
             raw = cfg.to_training_dict()
         else:
             raise EDSDError(f"unknown layout {layout!r} (training or vllm)")
-        cast = {k: v.detach().to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        save_safetensors(cast, path / SAFETENSORS)
+        save_safetensors(cast_floating(tensors, DTYPES[dtype]), path / SAFETENSORS)
 
     @classmethod
     def from_pretrained(

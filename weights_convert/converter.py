@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from vllm_edsd import __version__
-from vllm_edsd.checkpoint import SAFETENSORS, atomic_directory, iter_tensors, save_safetensors, tensor_shapes
+from vllm_edsd.checkpoint import (SAFETENSORS, atomic_directory, cast_floating, iter_tensors, save_safetensors,
+                                  tensor_shapes)
 from vllm_edsd.config import (
     SUPPORTED_DTYPES,
     TRAINING_ARCHITECTURE,
@@ -182,10 +183,7 @@ def convert(
             },
         },
     )
-    out = {
-        TRAINING_TO_VLLM_NAMES.get(name, name): (t.to(DTYPES[out_dtype]) if t.is_floating_point() else t)
-        for name, t in tensors.items()
-    }
+    out = cast_floating({TRAINING_TO_VLLM_NAMES.get(name, name): t for name, t in tensors.items()}, DTYPES[out_dtype])
     with atomic_directory(dst, force=force) as tmp:
         save_safetensors(out, tmp / SAFETENSORS)
         (tmp / "config.json").write_text(json.dumps(cfg.to_vllm_dict(), indent=2) + "\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import SAFETENSORS, save_safetensors
+from ..checkpoint import SAFETENSORS, cast_floating, save_safetensors
 from ..config import EDSDConfig
 from ..reference import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
 
@@ -65,8 +65,7 @@ class Eagle3DraftModel(DraftHead):
         tensors = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
         if cfg.draft_vocab_size == cfg.vocab_size:  # vLLM then has no draft-to-target map to load
             tensors.pop("d2t"), tensors.pop("t2d")
-        tensors = {k: v.detach().to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in tensors.items()}
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        save_safetensors(tensors, path / SAFETENSORS)
+        save_safetensors(cast_floating(tensors, DTYPES[dtype]), path / SAFETENSORS)
