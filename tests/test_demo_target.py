@@ -37,23 +37,24 @@ def test_expanded_dense_checkpoint_computes_the_low_rank_model(tmp_path):
         torch.testing.assert_close(dense(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_target_training_resumes_to_the_same_weights(tmp_path):
+def test_target_training_resumes_and_extends_to_the_same_weights(tmp_path):
     tokenizer = _tokenizer(tmp_path)
     shape = TargetShape(**{**SHAPE.__dict__, "vocab_size": len(tokenizer)})
     data = torch.randint(0, len(tokenizer), (24, 16))
-    recipe = TargetRecipe(steps=4, batch_size=4, seq_len=16, warmup=1, checkpoint_every=2)
+    recipe = TargetRecipe(cycles=(2, 2), batch_size=4, seq_len=16, warmup=1, checkpoint_every=1)
     whole = low_rank_model(shape, special_token_ids(tokenizer), seed=0)
     (tmp_path / "whole").mkdir()
     log = train_target(whole, data, recipe, tmp_path / "whole")
-    assert [e["step"] for e in log] == [2, 4]
-    # An interrupted run: stopped after the first checkpoint (a 2-step run: with a 1-step warm-up,
-    # steps 0 and 1 get the same learning rate under a 2- or 4-step schedule), then the full run.
+    assert [e["step"] for e in log] == [1, 2, 3, 4]
+    assert log[2]["lr"] == recipe.restart_lr  # the second cycle restarts after its 1-step warm-up
+    # A finished one-cycle run, extended by a second cycle: it resumes from its checkpoint and
+    # ends where the two-cycle run did.
     (tmp_path / "split").mkdir()
     first = low_rank_model(shape, special_token_ids(tokenizer), seed=0)
-    train_target(first, data, TargetRecipe(**{**recipe.__dict__, "steps": 2}), tmp_path / "split")
+    train_target(first, data, TargetRecipe(**{**recipe.__dict__, "cycles": (2,)}), tmp_path / "split")
     state = torch.load(tmp_path / "split" / "target_state.pt", weights_only=True)
     assert state["step"] == 2
     resumed = low_rank_model(shape, special_token_ids(tokenizer), seed=1)  # weights come from the checkpoint
-    train_target(resumed, data, recipe, tmp_path / "split")
+    assert [e["step"] for e in train_target(resumed, data, recipe, tmp_path / "split")] == [1, 2, 3, 4]
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)

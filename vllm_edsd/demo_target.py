@@ -90,23 +90,38 @@ def packed_sequences(token_stream: list[int], length: int) -> torch.Tensor:
     return torch.tensor(token_stream[:usable], dtype=torch.long).view(-1, length)
 
 
-def _lr(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 @dataclass
 class TargetRecipe:
-    steps: int = 700  # what the shipped target was trained with
+    """Next-token training in cosine cycles: each warms up to its peak and decays to a tenth of it.
+    A later cycle restarts the learning rate (at ``restart_lr``), so a finished target can be
+    trained further without redoing, or changing, what came before."""
+
+    cycles: tuple[int, ...] = (700,)  # what the shipped target was trained with
     batch_size: int = 16
     seq_len: int = 256
     lr: float = 2e-3
+    restart_lr: float = 1e-3
     warmup: int = 30
     weight_decay: float = 0.01
     seed: int = 0
     checkpoint_every: int = 25
+    compile: bool = False  # torch.compile the forward: ~1.5x faster on this CPU, needs a C++ compiler
+
+    @property
+    def steps(self) -> int:
+        return sum(self.cycles)
+
+    def lr_at(self, step: int) -> float:
+        start = 0
+        for index, length in enumerate(self.cycles):
+            if step < start + length or index == len(self.cycles) - 1:
+                break
+            start += length
+        peak, local = (self.lr if index == 0 else self.restart_lr), step - start
+        if local < self.warmup:
+            return peak * (local + 1) / self.warmup
+        progress = (local - self.warmup) / max(1, length - self.warmup)
+        return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _batches(data: torch.Tensor, recipe: TargetRecipe, start: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -124,7 +139,7 @@ def _batches(data: torch.Tensor, recipe: TargetRecipe, start: int) -> Iterator[t
 
 
 def train_target(model, data: torch.Tensor, recipe: TargetRecipe, work: Path, *, device: str = "cpu") -> list[dict]:
-    """Next-token training with AdamW, warm-up and cosine decay; bf16 autocast. Resumes from
+    """Next-token training with AdamW on ``recipe``'s schedule; bf16 autocast. Resumes from
     ``work/target_state.pt`` (saved every ``checkpoint_every`` steps) with the same result."""
     state_path, log_path = work / "target_state.pt", work / "target_log.jsonl"
     model.to(device).train()
@@ -139,16 +154,17 @@ def train_target(model, data: torch.Tensor, recipe: TargetRecipe, work: Path, *,
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         log = [json.loads(l) for l in log_path.read_text().splitlines()] if log_path.exists() else []
-        log = [entry for entry in log if entry["step"] < start]
+        log = [entry for entry in log if entry["step"] <= start]
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)
+    forward = torch.compile(model) if recipe.compile else model
     bar = tqdm(total=recipe.steps, initial=start, desc="target LM", unit="step")
     window, t0 = [], time.time()
     for step, batch in _batches(data, recipe, start):
         for group in optimizer.param_groups:
-            group["lr"] = _lr(step, recipe.steps, recipe.lr, recipe.warmup)
+            group["lr"] = recipe.lr_at(step)
         batch = batch.to(device)
         with autocast:
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = forward(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
