@@ -13,7 +13,7 @@ import platform
 import sys
 from pathlib import Path
 
-from vllm_edsd.config import EDSDError
+from vllm_edsd.errors import EDSDError
 
 from .offline import Setup, acceptance, robustness, throughput
 from .report import plots, render

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from vllm_edsd.config import EDSDError
-from vllm_edsd.engine import speculative_config
-from vllm_edsd.server import running_server
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.serving.engine import speculative_config
+from vllm_edsd.serving.server import running_server
 
 from .offline import CATEGORIES, Setup, load_prompts
 

@@ -15,7 +15,7 @@ from importlib import resources
 from tqdm import tqdm
 
 from vllm_edsd.data import load_humaneval
-from vllm_edsd.engine import llm_session, spec_counters, speculative_config
+from vllm_edsd.serving.engine import llm_session, spec_counters, speculative_config
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 

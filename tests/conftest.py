@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from specforge_layout import write_specforge_checkpoint
 from vllm_edsd.acceptance import replay, total
+from vllm_edsd.formats.config import LAYERNORM, RMSNORM
+from vllm_edsd.formats.layouts import EDSD_TRAINING
 from vllm_edsd.toy import make_drafter, make_target
 from weights_convert import convert
 
@@ -68,6 +71,40 @@ def edited_copy(src, dst: Path, edit_config=None, edit_tensors=None) -> Path:
     return dst
 
 
+def engine_config(target: str, spec: dict):
+    """vLLM's own config path for a speculative config (no engine is started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=target, speculative_config=spec, gpu_memory_utilization=0.25).create_engine_config()
+
+
+def edsd_spec(drafter, k: int = 4, **extra) -> dict:
+    return {"method": "edsd", "model": str(drafter), "num_speculative_tokens": k, **extra}
+
+
+def assert_drafts_match(prompts: list[list[int]], phase: dict, chains_for, k: int) -> int:
+    """Every chain vLLM drafted in a recorded phase (one request at a time) equals
+    ``chains_for(sequence)[p]``, the chain drafted from the context that ends at index p+1 of
+    ``prompt + output``: first and fed-back draft steps. Returns how many chains matched."""
+    import torch
+
+    compared = 0
+    for prompt, output, recorded in zip(prompts, phase["outputs"], phase["proposals"]):
+        chains = chains_for(torch.tensor([prompt + output]))
+        context = len(prompt) + 1  # prompt plus the token sampled at prefill
+        for step in recorded:
+            assert len(step) == 1, "one request at a time"
+            draft = step[0]
+            assert draft == chains[context - 2].tolist(), f"step at context length {context}"
+            compared += 1
+            accepted = 0
+            while (accepted < k and context + accepted < len(prompt) + len(output)
+                   and draft[accepted] == output[context - len(prompt) + accepted]):
+                accepted += 1
+            context += accepted + 1
+    return compared
+
+
 def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: int = 48, **extra) -> dict:
     return {
         "name": name,
@@ -105,7 +142,7 @@ def models(tmp_path_factory) -> dict:
         "llama-narrow": make_target(root / "llama-narrow", hidden_size=128, num_heads=2, num_kv_heads=1),
     }
     # The main drafter takes the user's path: training layout, then `edsd convert`.
-    make_drafter(paths["llama"], root / "llama-edsd-training", draft_vocab_size=256, aux_layer_ids=(1, 3), layout="training")
+    make_drafter(paths["llama"], root / "llama-edsd-training", draft_vocab_size=256, aux_layer_ids=(1, 3), layout=EDSD_TRAINING)
     convert(root / "llama-edsd-training", root / "llama-edsd", target=paths["llama"])
     constant = most_frequent_greedy_token(paths["llama"], 512 - CONSTANT_DRAFT_VOCAB)
     make_drafter(
@@ -114,6 +151,26 @@ def models(tmp_path_factory) -> dict:
     make_drafter(paths["qwen3"], root / "qwen3-edsd", draft_vocab_size=384, aux_layer_ids=(2, 4), seed=2)
     paths.update({name: root / name for name in ("llama-edsd", "llama-edsd-constant", "qwen3-edsd")})
     return {**{k: str(v) for k, v in paths.items()}, "constant_token": constant}
+
+
+@pytest.fixture(scope="session")
+def parity_drafters(models, tmp_path_factory) -> dict:
+    """Drafters whose drafts depend on every weight (random, token norms too), one per token
+    norm, each converted unfolded and folded: ``{(norm, folded): (served dir, source dir)}``.
+    The RMSNorm one is a SpecForge checkpoint (sharded, with its own copy of the embedding),
+    the LayerNorm one this project's training layout."""
+    root = tmp_path_factory.mktemp("parity")
+    specforge = root / "specforge" / "epoch_0_step_100"
+    write_specforge_checkpoint(models["llama"], specforge, sharded=True, with_embedding=True, seed=3)
+    layernorm = root / "layernorm-training"
+    make_drafter(models["llama"], layernorm, draft_vocab_size=256, token_norm=LAYERNORM, layout=EDSD_TRAINING, seed=4)
+    drafters = {}
+    for norm, source in ((RMSNORM, specforge), (LAYERNORM, layernorm)):
+        for folded in (False, True):
+            served = root / f"{norm}-{'folded' if folded else 'unfolded'}"
+            convert(source, served, target=models["llama"], fold_token_norm=folded)
+            drafters[norm, folded] = (str(served), str(source))
+    return drafters
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ def main(job_path: str, out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_edsd.engine import make_llm, spec_counters
+    from vllm_edsd.serving.engine import make_llm, spec_counters
 
     job = json.loads(open(job_path).read())
     start = time.time()

@@ -14,7 +14,7 @@ import torch
 from bench.latency import NOT_COMPLETED, aggregate, poisson_schedule, summary
 from bench.offline import with_speedup
 from bench.report import render
-from vllm_edsd.config import EDSDConfig
+from vllm_edsd.formats.config import EDSDConfig
 from vllm_edsd.toy import target_config
 from vllm_edsd.training.eagle3 import Eagle3DraftModel
 

@@ -13,22 +13,28 @@ from safetensors.torch import load_file, save_file
 
 from conftest import edited_copy
 from vllm_edsd.cli import main
-from vllm_edsd.config import EDSDConfig
+from vllm_edsd.formats.config import LAYERNORM, TOKEN_NORMS
+from vllm_edsd.formats.layouts import read_drafter_config
 from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.target import load_target, run_target
+from vllm_edsd.formats.layouts import EDSD_TRAINING
 from vllm_edsd.toy import make_drafter
 
 
 @pytest.fixture(scope="module")
-def training_ckpt(models, tmp_path_factory) -> Path:
-    """A training-layout drafter whose token norm is not the identity (so folding matters)."""
-    out = tmp_path_factory.mktemp("train-ckpt") / "edsd"
-    model = make_drafter(models["llama"], out, draft_vocab_size=256, layout="training", seed=5)
-    with torch.no_grad():
-        model.edfuse.token_norm.weight.uniform_(0.5, 1.5)
-        model.edfuse.token_norm.bias.normal_(0, 0.1)
-    model.save_pretrained(out, layout="training")
-    return out
+def training_ckpts(models, tmp_path_factory) -> dict[str, Path]:
+    """Training-layout drafters, one per token norm, whose norms are not the identity (so
+    folding matters)."""
+    root = tmp_path_factory.mktemp("train-ckpt")
+    for norm in TOKEN_NORMS:
+        make_drafter(models["llama"], root / norm, draft_vocab_size=256, layout=EDSD_TRAINING, token_norm=norm, seed=5)
+    return {norm: root / norm for norm in TOKEN_NORMS}
+
+
+@pytest.fixture(scope="module")
+def training_ckpt(training_ckpts) -> Path:
+    """The LayerNorm one: it has the most tensors to get wrong."""
+    return training_ckpts[LAYERNORM]
 
 
 def run_convert(capsys, *args) -> tuple[int, str, str]:
@@ -67,11 +73,14 @@ def test_layer_output_convention_shifts_ids(training_ckpt, tmp_path, capsys):
     assert code == 0 and "[0, 2] (layer_input) = [0, 2]" in out
 
 
-def test_folded_and_unfolded_drafters_agree(models, training_ckpt, tmp_path, capsys):
-    assert run_convert(capsys, training_ckpt, tmp_path / "plain", "--target", models["llama"])[0] == 0
-    assert run_convert(capsys, training_ckpt, tmp_path / "folded", "--target", models["llama"], "--fold-token-norm")[0] == 0
-    folded_cfg = EDSDConfig.from_dir(tmp_path / "folded")
-    assert folded_cfg.token_norm_folded
+@pytest.mark.parametrize("norm", TOKEN_NORMS)
+def test_folded_and_unfolded_drafters_agree(models, training_ckpts, tmp_path, capsys, norm):
+    assert run_convert(capsys, training_ckpts[norm], tmp_path / "plain", "--target", models["llama"])[0] == 0
+    code, out, _ = run_convert(capsys, training_ckpts[norm], tmp_path / "folded", "--target", models["llama"], "--fold-token-norm")
+    assert code == 0 and f"token norm  {norm}, folded" in out
+    folded_cfg = read_drafter_config(tmp_path / "folded")[1]
+    assert folded_cfg.token_norm_folded and folded_cfg.token_norm == norm
+    assert "edfuse.token_norm.weight" not in load_file(tmp_path / "folded" / "model.safetensors")
     target = load_target(models["llama"])
     embed = target.model.embed_tokens.weight
     plain = EDSDDraftModel.from_pretrained(tmp_path / "plain", embed_tokens=embed)

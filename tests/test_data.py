@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_edsd.config import EDSDError
+from vllm_edsd.errors import EDSDError
 from vllm_edsd.data import complete_records, load_sharegpt
 
 RECORDS = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from bench.offline import load_prompts
 from conftest import greedy_phase
-from vllm_edsd.checkpoint import tensor_shapes
-from vllm_edsd.config import TargetFingerprint
+from vllm_edsd.formats.files import tensor_shapes
+from vllm_edsd.formats.config import TargetFingerprint
 from vllm_edsd.data import render_conversation
 from vllm_edsd.demo import ASSETS
 from vllm_edsd.target import fingerprint, load_target

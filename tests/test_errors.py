@@ -11,19 +11,11 @@ import sys
 
 import pytest
 
-from conftest import edited_copy
-from vllm_edsd.config import EDSDError
+from conftest import edited_copy, engine_config
+from conftest import edsd_spec as spec
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.layouts import EDSD_TRAINING
 from vllm_edsd.toy import make_drafter
-
-
-def engine_config(target: str, spec: dict):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(model=target, speculative_config=spec, gpu_memory_utilization=0.25).create_engine_config()
-
-
-def spec(drafter, **extra) -> dict:
-    return {"method": "edsd", "model": str(drafter), "num_speculative_tokens": 4, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +41,7 @@ def drafters(models, tmp_path_factory) -> dict[str, str]:
     (root / "no-config" / "config.json").unlink()
     (root / "broken-json").mkdir()
     (root / "broken-json" / "config.json").write_text("{not json")
-    make_drafter(models["llama"], root / "training-layout", draft_vocab_size=256, layout="training")
+    make_drafter(models["llama"], root / "training-layout", draft_vocab_size=256, layout=EDSD_TRAINING)
     return {
         "three_ids": variant("three-ids", three_ids),
         "out_of_range": variant("out-of-range", out_of_range),

@@ -12,9 +12,9 @@ import pytest
 import requests
 
 from conftest import PROMPTS, simulate_constant_drafter
-from vllm_edsd.config import EDSDError
-from vllm_edsd.engine import parse_prometheus_counters
-from vllm_edsd.server import running_server
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.serving.engine import parse_prometheus_counters
+from vllm_edsd.serving.server import running_server
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,19 @@
 """EDSD speculative decoding in real vLLM engines: lossless greedy output, parity of the
-drafts with the plain-PyTorch reference, exact acceptance accounting, sampling, TP=2,
-compilation, a second target architecture."""
+drafts with the plain-PyTorch reference (both token norms, folded and unfolded, TP=1 and
+TP=2), exact acceptance accounting, sampling, compilation, a second target architecture."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from conftest import PROMPTS, greedy_phase, simulate_constant_drafter
+from conftest import PROMPTS, assert_drafts_match, greedy_phase, simulate_constant_drafter
+from specforge_layout import specforge_chains
+from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS
 from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.target import load_target, run_target
 
@@ -25,7 +31,7 @@ def eager_run(models, engine_runs) -> dict:
         "speculative_config": edsd(models["llama-edsd"]),
         # float32 like the reference (vLLM on CPU would otherwise pick bfloat16).
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
-        "phases": [greedy_phase(), greedy_phase("parity", PROMPTS[:3], max_tokens=40, record_proposals=True)],
+        "phases": [greedy_phase()],
     }
     return engine_runs("llama-edsd-eager", job)
 
@@ -37,29 +43,44 @@ def test_greedy_output_identical_with_edsd(eager_run, baseline):
     assert counters["drafts"] > 0 and counters["draft_tokens"] == K * counters["drafts"]
 
 
-def test_drafts_match_reference_model(models, eager_run):
-    """Every chain vLLM drafted (from a drafter converted by `edsd convert`) equals the
-    reference model's chain for that context: first and fed-back draft steps."""
-    run = eager_run
+PARITY_PROMPTS, PARITY_TOKENS = PROMPTS[:3], 32
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("folded", [False, True], ids=["unfolded", "folded"])
+@pytest.mark.parametrize("norm", TOKEN_NORMS)
+def test_drafts_match_reference_model(models, parity_drafters, engine_runs, baseline, norm, folded, tp):
+    """Every chain vLLM drafted equals the reference model's chain for that context (first
+    and fed-back draft steps), the reference loaded from the checkpoint the served drafter was
+    converted from (SpecForge's for RMSNorm, this project's training layout for LayerNorm) and,
+    for SpecForge's, also SpecForge's own forward; the output is the target's own."""
+    served, source = parity_drafters[norm, folded]
+    job = {
+        "target": models["llama"],
+        "speculative_config": edsd(served),
+        "llm_kwargs": {"enforce_eager": True, "dtype": "float32", "tensor_parallel_size": tp},
+        "phases": [greedy_phase("parity", PARITY_PROMPTS, max_tokens=PARITY_TOKENS, record_proposals=True)],
+    }
+    phase = engine_runs(f"parity-{norm}-{folded}-tp{tp}", job, env=TP2_ENV if tp == 2 else None)["phases"]["parity"]
+    assert phase["outputs"] == [out[:PARITY_TOKENS] for out in baseline("llama")[:3]]
     target = load_target(models["llama"])
-    drafter = EDSDDraftModel.from_pretrained(models["llama-edsd"], embed_tokens=target.model.embed_tokens.weight)
-    phase = run["phases"]["parity"]
-    compared = 0
-    for prompt, output, recorded in zip(PROMPTS[:3], phase["outputs"], phase["proposals"]):
-        sequence = torch.tensor([prompt + output])
-        features = run_target(target, sequence, drafter.config.aux_layer_ids).features(drafter.config.aux_layer_ids)
-        chains = drafter.propose(features[:, :-1], sequence[:, 1:], K)[0]
-        context = len(prompt) + 1  # prompt plus the token sampled at prefill
-        for step in recorded:
-            assert len(step) == 1, "one request at a time"
-            draft = step[0]
-            assert draft == chains[context - 2].tolist(), f"step at context length {context}"
-            compared += 1
-            accepted = 0
-            while accepted < K and context + accepted < len(prompt) + len(output) and draft[accepted] == output[context - len(prompt) + accepted]:
-                accepted += 1
-            context += accepted + 1
-    assert compared >= 3 * 8
+    drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
+    layers = drafter.config.aux_layer_ids
+
+    def chains_for(sequence):
+        features = run_target(target, sequence, layers).features(layers)[:, :-1]
+        chains = drafter.propose(features, sequence[:, 1:], K)
+        if norm == RMSNORM:
+            checkpoint = {n: t for f in sorted(Path(source).glob("model*.safetensors")) for n, t in load_file(f).items()}
+            config = json.loads((Path(source) / "config.json").read_text())
+            embed = target.model.embed_tokens.weight
+            assert torch.equal(specforge_chains(checkpoint, config, embed, features, sequence[:, 1:], K), chains)
+        return chains[0]
+
+    assert assert_drafts_match(PARITY_PROMPTS, phase, chains_for, K) >= 3 * 8
+    first_tokens = {step[0][0] for recorded in phase["proposals"] for step in recorded}
+    assert len(first_tokens) > 5, "the drafts should depend on the drafter's weights, not be constant"
 
 
 def test_acceptance_counts_are_exact(models, engine_runs, baseline):

@@ -4,6 +4,7 @@ attention pattern, the draft vocabulary, and short real training runs (both meth
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -13,17 +14,33 @@ import pytest
 import torch
 
 from vllm_edsd.cli import main
-from vllm_edsd.config import EDSDConfig
+from vllm_edsd.formats.config import EDSDConfig
 from vllm_edsd.reference import EDSDDraftModel, KeyValueSteps
-from vllm_edsd.training.schedule import entropy_mask, mask_percent, ttt_steps
+from vllm_edsd.training.schedule import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
+from vllm_edsd.training.trainer import ttt_loss
 from vllm_edsd.training.vocab import build_vocab_mapping
 from vllm_edsd.toy import toy_corpus
 
 
-def test_schedules_match_the_paper():
-    assert [mask_percent(t, 8, 3) for t in range(8)] == [21, 18, 15, 12, 9, 6, 3, 0]
-    assert [ttt_steps(t, 8, 7) for t in range(8)] == [1, 1, 2, 3, 4, 5, 6, 7]
-    assert ttt_steps(0, 1, 7) == 7
+def test_paper_reading_is_eqs_5_and_6():
+    """p_t = max(0, T - t - 1) * 3 (%), n_t = floor(1 + (S_max - 1) t / (T - 1))."""
+    for epochs, s_max in ((8, 7), (3, 4), (5, 3), (1, 7)):
+        assert [PAPER.mask_percent(t, epochs) for t in range(epochs)] == [max(0, epochs - t - 1) * 3 for t in range(epochs)]
+        floor_eq6 = [s_max if epochs == 1 else math.floor(1 + (s_max - 1) * t / (epochs - 1)) for t in range(epochs)]
+        assert [PAPER.ttt_steps(t, epochs, s_max) for t in range(epochs)] == floor_eq6
+    assert [PAPER.ttt_steps(t, 8, 7) for t in range(8)] == [1, 1, 2, 3, 4, 5, 6, 7]
+    assert [PAPER.mask_percent(t, 8) for t in range(8)] == [21, 18, 15, 12, 9, 6, 3, 0]
+
+
+def test_specforge_reading_is_its_code():
+    """specforge/core/edsd.py: ceil in Step-n; drop ratio min(max((T - t - 1) * 0.02, 0), 0.4)."""
+    for epochs, s_max in ((8, 7), (3, 4), (5, 3), (30, 7), (1, 7)):
+        ratio = [min(max((epochs - t - 1) * 0.02, 0.0), 0.4) for t in range(epochs)]
+        assert [SPECFORGE.mask_percent(t, epochs) / 100 for t in range(epochs)] == pytest.approx(ratio)
+        ceil_eq6 = [s_max if epochs <= 1 else math.ceil(1 + (s_max - 1) * t / (epochs - 1)) for t in range(epochs)]
+        assert [SPECFORGE.ttt_steps(t, epochs, s_max) for t in range(epochs)] == ceil_eq6
+    assert [SPECFORGE.ttt_steps(t, 8, 7) for t in range(8)] == [1, 2, 3, 4, 5, 6, 7, 7]
+    assert SPECFORGE.mask_percent(0, 30) == 40.0  # the cap; the paper's reading would mask 87 %
 
 
 def test_entropy_mask_drops_the_most_uncertain_loss_positions():
@@ -32,6 +49,45 @@ def test_entropy_mask_drops_the_most_uncertain_loss_positions():
     kept = entropy_mask(entropy, loss, 25)  # floor(0.25 * 8) = 2 dropped: entropies 7 and 6
     assert kept.tolist() == [[False, True, True, True, False, True, False, True, False, True]]
     assert torch.equal(entropy_mask(entropy, loss, 0), loss)
+
+
+def test_entropy_mask_per_sample_or_over_the_batch():
+    """The paper ranks each sample on its own; SpecForge ranks the whole batch at once."""
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    per_sample = entropy_mask(entropy, valid, 25, SAMPLE)  # one per row: 4.0 and 8.0
+    assert per_sample.tolist() == [[True, True, True, False], [True, True, True, False]]
+    over_batch = entropy_mask(entropy, valid, 25, BATCH)  # floor(0.25 * 8) = 2 overall: 8.0 and 7.0
+    assert over_batch.tolist() == [[True, True, True, True], [True, True, False, False]]
+
+
+def test_specforge_reading_ranks_by_draft_vocabulary_entropy():
+    """A position that is flat over the full vocabulary but peaked inside the draft vocabulary
+    is kept by SpecForge's reading and dropped by the paper's, and vice versa."""
+    cfg = EDSDConfig.from_dict({
+        "hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "vocab_size": 6, "draft_vocab_size": 2,
+        "edsd_config": {"aux_layer_ids": [1, 2], "aux_layer_id_convention": "layer_input", "fuse_intermediate_size": 8}})
+    model = EDSDDraftModel(cfg)
+    with torch.no_grad():
+        model.t2d.copy_(torch.tensor([True, True, False, False, False, False]))
+    head = torch.eye(6, 8)  # final hidden -> logits: the first 6 hidden units are the logits
+    # Position 0 predicts x_1 (assistant). Position 0: draft tokens 0/1 tied (high draft entropy),
+    # the rest far below (low full entropy). Position 1: token 0 leads, tokens 1..5 close (high
+    # full entropy, lower draft entropy).
+    final = torch.zeros(1, 3, 8)
+    final[0, 0, :6] = torch.tensor([5.0, 5.0, -9.0, -9.0, -9.0, -9.0])
+    final[0, 1, :6] = torch.tensor([3.0, 1.0, 2.5, 2.5, 2.5, 2.5])
+    batch = {"input_ids": torch.tensor([[1, 2, 3]]), "loss_mask": torch.tensor([[False, True, True]]),
+             "aux": torch.zeros(1, 3, 16), "final": final}
+    paper = ttt_loss(model, batch, head, 1, 50.0, "paper")
+    specforge = ttt_loss(model, batch, head, 1, 50.0, "specforge")
+    assert (paper.eligible, paper.masked, paper.counted) == (2, 1, 1)
+    assert (specforge.eligible, specforge.masked, specforge.counted) == (2, 1, 1)
+    # Which one was dropped shows in the loss: the paper drops position 1, SpecForge position 0.
+    drop0 = ttt_loss(model, {**batch, "loss_mask": torch.tensor([[False, False, True]])}, head, 1, 0.0)
+    drop1 = ttt_loss(model, {**batch, "loss_mask": torch.tensor([[False, True, False]])}, head, 1, 0.0)
+    torch.testing.assert_close(paper.loss, drop1.loss)
+    torch.testing.assert_close(specforge.loss, drop0.loss)
 
 
 def test_ttt_attention_pattern():

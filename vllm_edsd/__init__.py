@@ -10,6 +10,6 @@ __version__ = "0.1.0"
 
 def register() -> None:
     """Register the EDSD draft model with vLLM and accept ``"method": "edsd"``."""
-    from .plugin import install
+    from vllm_edsd.serving.plugin import install
 
     install()

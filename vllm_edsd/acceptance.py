@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .engine import SpecCounters
+from vllm_edsd.serving.engine import SpecCounters
 from .target import run_target
 
 

@@ -12,10 +12,10 @@ import argparse
 import importlib
 import sys
 
-from .config import EDSDError
+from vllm_edsd.errors import EDSDError
 
 SUBCOMMANDS = {
-    "convert": ("weights_convert.cli", "convert an EDSD training checkpoint to the layout vLLM serves"),
+    "convert": ("weights_convert.cli", "convert an EDSD drafter (this project's training layout or SpecForge's) to the layout vLLM serves"),
     "select": ("vllm_edsd.selection_cli", "EDSelect: score every target layer and pick the two aux layers"),
     "train": ("vllm_edsd.training.cli", "EDTrain: train an EDSD drafter (or an EAGLE-3 baseline) for a target"),
     "demo": ("vllm_edsd.demo", "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show tau and speed-up"),

@@ -11,7 +11,7 @@ import random
 from importlib import resources
 from pathlib import Path
 
-from .config import EDSDError
+from vllm_edsd.errors import EDSDError
 
 Conversation = list[dict[str, str]]  # [{"role": "user"|"assistant"|"system", "content": ...}]
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",

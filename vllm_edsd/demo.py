@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from .config import EDSDError
+from vllm_edsd.errors import EDSDError
 
 ASSETS = Path(__file__).parent / "assets" / "demo"
 CACHE = Path(os.environ.get("EDSD_CACHE", Path.home() / ".cache" / "vllm-edsd"))
@@ -77,8 +77,8 @@ def _chat_server(base: str, prompt: str, max_tokens: int) -> tuple[str, int]:
 def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
     import requests
 
-    from .engine import parse_prometheus_counters
-    from .server import running_server
+    from vllm_edsd.serving.engine import parse_prometheus_counters
+    from vllm_edsd.serving.server import running_server
 
     with running_server(target, spec, extra_args=["--served-model-name", "demo"]) as base:
         _chat_server(base, "Hello!", 8)  # warm-up
@@ -96,7 +96,7 @@ def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
 def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
     from vllm import SamplingParams
 
-    from .engine import llm_session, spec_counters
+    from vllm_edsd.serving.engine import llm_session, spec_counters
 
     with llm_session(target, spec) as llm:
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -110,7 +110,7 @@ def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .engine import speculative_config
+    from vllm_edsd.serving.engine import speculative_config
 
     paths = demo_paths()
     if args.paths:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .config import EDSDError
+from vllm_edsd.errors import EDSDError
 from .data import load_sharegpt, render_conversation
 from .demo import ASSETS
 from .demo_target import (TargetRecipe, TargetShape, expand, low_rank_model, packed_sequences, save_factors,
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
 
 def ship(work: Path, factors: Path, converted: Path) -> None:
     """Copy the target factors and both drafters (fp16) into the package's assets."""
-    from .checkpoint import atomic_directory, cast_checkpoint
+    from vllm_edsd.formats.files import atomic_directory, cast_checkpoint
 
     with atomic_directory(ASSETS, force=True) as staging:
         shutil.copytree(factors, staging / "target")

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .checkpoint import SAFETENSORS, atomic_directory, cast_floating, save_safetensors
-from .config import EDSDError
+from vllm_edsd.formats.files import SAFETENSORS, atomic_directory, cast_floating, save_safetensors
+from vllm_edsd.errors import EDSDError
 
 FACTOR_FILE = "factors.safetensors"
 SPEC_FILE = "lowrank.json"

@@ -25,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import SAFETENSORS, cast_floating, iter_tensors, save_safetensors
-from .config import TRAINING_TO_VLLM_NAMES, VLLM_TO_TRAINING_NAMES, EDSDConfig, EDSDError
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.config import LAYERNORM, EDSDConfig
+from vllm_edsd.formats.files import SAFETENSORS, cast_floating, iter_tensors, save_safetensors, tensor_shapes
+from vllm_edsd.formats.layouts import EDSD_TRAINING, Layout, check_tensors, read_drafter_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -145,8 +147,16 @@ class DraftDecoderLayer(nn.Module):
         return a + self.mlp(self.post_attention_layernorm(a))
 
 
+def token_norm(cfg: EDSDConfig) -> nn.Module:
+    """EDFuse's norm of the token embedding: SpecForge's RMSNorm or the paper's LayerNorm."""
+    if cfg.token_norm == LAYERNORM:
+        return nn.LayerNorm(cfg.hidden_size, eps=cfg.token_norm_eps)
+    return RMSNorm(cfg.hidden_size, cfg.token_norm_eps)
+
+
 class EDFuse(nn.Module):
-    """``down(silu(gate(g)) * up(LN(e)))``: gated fusion of feature and token streams."""
+    """``down(silu(gate(g)) * up(norm(e)))``: gated fusion of feature and token streams.
+    A folded drafter's embedding table already holds ``norm(e)``."""
 
     def __init__(self, cfg: EDSDConfig) -> None:
         super().__init__()
@@ -154,7 +164,7 @@ class EDFuse(nn.Module):
         self.gate_proj = nn.Linear(d, m, bias=False)
         self.up_proj = nn.Linear(d, m, bias=False)
         self.down_proj = nn.Linear(m, d, bias=False)
-        self.token_norm = None if cfg.token_norm_folded else nn.LayerNorm(d, eps=cfg.token_norm_eps)
+        self.token_norm = None if cfg.token_norm_folded else token_norm(cfg)
 
     def forward(self, g: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         e = token_embeds if self.token_norm is None else self.token_norm(token_embeds)
@@ -167,34 +177,6 @@ def expected_shapes(cfg: EDSDConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = EDSDDraftModel(cfg)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def check_tensors(cfg: EDSDConfig, shapes: dict[str, tuple[int, ...]], *, layout: str, source: str) -> None:
-    """Refuse a checkpoint whose tensor names or shapes do not fit ``cfg``, naming the tensor.
-
-    ``layout`` is ``"training"`` or ``"vllm"`` (EDFuse names differ). The shared embedding
-    is optional unless the token norm is folded into it; ``d2t``/``t2d`` are optional when
-    the draft vocabulary is the full vocabulary.
-    """
-    expected = expected_shapes(cfg)
-    if layout == "vllm":
-        expected = {TRAINING_TO_VLLM_NAMES.get(k, k): v for k, v in expected.items()}
-    optional = set() if cfg.token_norm_folded else {"embed_tokens.weight"}
-    if cfg.draft_vocab_size == cfg.vocab_size:
-        optional |= {"d2t", "t2d"}
-    missing = sorted(set(expected) - set(shapes) - optional)
-    unexpected = sorted(set(shapes) - set(expected))
-    if unexpected:
-        hint = " (midlayer.hidden_norm belongs to EAGLE-3 drafters, not EDSD)" if "midlayer.hidden_norm.weight" in unexpected else ""
-        raise EDSDError(f"{source}: unexpected tensor(s): {', '.join(unexpected)}{hint}")
-    if missing:
-        raise EDSDError(f"{source}: missing tensor(s): {', '.join(missing)}")
-    for name, shape in shapes.items():
-        if tuple(shape) != expected[name]:
-            hint = ""
-            if name == "fc.weight" and len(shape) == 2 and shape[1] == 3 * cfg.target_hidden_size:
-                hint = " (fc reads three target layers: this looks like an EAGLE-3 checkpoint; EDSD reads two)"
-            raise EDSDError(f"{source}: tensor '{name}' has shape {list(shape)}, expected {list(expected[name])}{hint}")
 
 
 class DraftHead(nn.Module):
@@ -238,15 +220,6 @@ class EDSDDraftModel(DraftHead):
         a = self.midlayer(u, positions, kv)
         return self.lm_head(self.norm(a)), a
 
-    def target_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Scatter draft-vocab logits into the target vocab (-inf elsewhere), as vLLM does."""
-        if self.config.draft_vocab_size == self.config.vocab_size:
-            return draft_logits
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        targets = torch.arange(self.config.draft_vocab_size, device=draft_logits.device)
-        full[..., self.draft_to_target(targets)] = draft_logits
-        return full
-
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
         """Greedy draft chains for every prefix at once.
@@ -274,24 +247,16 @@ class EDSDDraftModel(DraftHead):
             state.pop("d2t"), state.pop("t2d")
         return state
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
-        """Load tensors of either layout; every parameter must be present exactly once."""
-        renamed = {VLLM_TO_TRAINING_NAMES.get(k, k): v for k, v in tensors.items()}
-        check_tensors(self.config, {k: tuple(v.shape) for k, v in renamed.items()}, layout="training", source=source)
-        expected = self.state_dict()
-        self.load_state_dict({**expected, **renamed})
+    def load_tensors(self, tensors: dict[str, torch.Tensor], layout: Layout, *, source: str) -> None:
+        """Load a checkpoint's tensors (``layout``'s names); every parameter exactly once."""
+        check_tensors(self.config, {k: tuple(v.shape) for k, v in tensors.items()}, layout, source=source)
+        self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(tensors)})
 
-    def save_pretrained(self, path: str | Path, *, layout: str = "training", dtype: str | None = None) -> None:
-        """Write ``config.json`` and ``model.safetensors`` in the training or vLLM layout."""
+    def save_pretrained(self, path: str | Path, *, layout: Layout = EDSD_TRAINING, dtype: str | None = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` in ``layout`` (training or vLLM)."""
         dtype = dtype or self.config.torch_dtype
-        cfg = self.config.with_updates(torch_dtype=dtype)
-        tensors = self.trainable_state_dict()
-        if layout == "vllm":
-            raw, tensors = cfg.to_vllm_dict(), {TRAINING_TO_VLLM_NAMES.get(k, k): v for k, v in tensors.items()}
-        elif layout == "training":
-            raw = cfg.to_training_dict()
-        else:
-            raise EDSDError(f"unknown layout {layout!r} (training or vllm)")
+        raw = layout.config_json(self.config.with_updates(torch_dtype=dtype))
+        tensors = layout.rename_from_canonical(self.trainable_state_dict())
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -301,14 +266,15 @@ class EDSDDraftModel(DraftHead):
     def from_pretrained(
         cls, path: str | Path, *, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
     ) -> "EDSDDraftModel":
-        """Load a drafter directory of either layout. ``embed_tokens`` is the target's
-        embedding table, needed unless the checkpoint carries its own (folded) table."""
-        cfg = EDSDConfig.from_dir(path)
+        """Load a drafter directory of any EDSD layout (this project's, SpecForge's, vLLM's).
+        ``embed_tokens`` is the target's embedding table, used unless the checkpoint carries
+        a table of its own."""
+        layout, cfg = read_drafter_config(path, tensor_shapes(path))
         model = cls(cfg)
         tensors = dict(iter_tensors(path))
         if "embed_tokens.weight" not in tensors:
             if embed_tokens is None:
                 raise EDSDError(f"{path}: the drafter shares the target's embedding; pass the target's table")
             tensors["embed_tokens.weight"] = embed_tokens
-        model.load_tensors(tensors, source=str(path))
+        model.load_tensors(tensors, layout, source=str(path))
         return model.to(dtype).eval()

@@ -11,7 +11,8 @@ import torch
 from tqdm import tqdm
 
 from . import selection
-from .config import LAYER_INPUT, EDSDError
+from vllm_edsd.formats.config import LAYER_INPUT
+from vllm_edsd.errors import EDSDError
 from .data import load_conversations, load_sharegpt, render_conversation
 from .target import decoder_of, fingerprint, load_target, run_target
 

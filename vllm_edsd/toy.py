@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .config import EDSDConfig
-from .reference import EDSDDraftModel
+from vllm_edsd.formats.config import RMSNORM, EDSDConfig
+from vllm_edsd.formats.layouts import EDSD_VLLM, Layout
+from vllm_edsd.reference import EDSDDraftModel
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -123,23 +124,29 @@ def make_drafter(
     *,
     aux_layer_ids: tuple[int, int] = (1, 3),
     draft_vocab_size: int | None = None,
-    layout: str = "vllm",
+    layout: Layout = EDSD_VLLM,
+    token_norm: str = RMSNORM,
     seed: int = 0,
     constant_token: int | None = None,
 ) -> EDSDDraftModel:
-    """A random EDSD drafter for a toy target.
+    """A random EDSD drafter for a toy target, its token norm's weights random too (so that
+    a wrong norm or a wrong fold changes its drafts).
 
     With ``constant_token`` the drafter always proposes that token: the final norm is
     zero, so every draft logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
     ``constant_token``. Its acceptance is therefore predictable from the target's output.
     """
-    cfg = EDSDConfig.for_target(target_config(target_dir), aux_layer_ids, draft_vocab_size=draft_vocab_size)
+    cfg = EDSDConfig.for_target(
+        target_config(target_dir), aux_layer_ids, draft_vocab_size=draft_vocab_size, token_norm=token_norm
+    )
     torch.manual_seed(seed)
     model = EDSDDraftModel(cfg)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0.0, 0.05)
+        for name, tensor in model.edfuse.token_norm.named_parameters():
+            tensor.uniform_(0.5, 1.5) if name == "weight" else tensor.normal_(0.0, 0.1)
         vocab, draft_vocab = cfg.vocab_size, cfg.draft_vocab_size
         first = 0 if constant_token is None else constant_token
         if first + draft_vocab > vocab:

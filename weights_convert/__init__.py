@@ -1,4 +1,4 @@
-"""Convert EDSD training checkpoints to the layout the vLLM plugin serves."""
+"""Convert EDSD drafters (this project's training layout, SpecForge's) to the layout the vLLM plugin serves."""
 
 from .converter import Summary, convert
 

@@ -1,15 +1,18 @@
-"""EDSD training checkpoint (SPEC §3.1) → the layout vLLM serves (SPEC §3.2).
+"""EDSD drafters as they exist in the wild (this project's training layout, SpecForge's
+``EdsdDraftModel``) → the layout vLLM serves (SPEC §3.2).
 
 Everything is validated before anything is written: the config, every tensor's name and
 shape (from the safetensors header), ``d2t``/``t2d`` against the vocabulary sizes, and, with a
 target, the drafter against the target. Tensors are then read one at a time, checked for
-NaN/Inf, cast, renamed and written into a directory that appears at ``dst`` only when it is
-complete.
+NaN/Inf, renamed through the source layout's table, cast, and written into a directory that
+appears at ``dst`` only when it is complete. Only the drafter's weight files are read:
+``training_state.pt`` beside them (optimizer state, a pickle) is never opened.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,21 +20,16 @@ from pathlib import Path
 import torch
 
 from vllm_edsd import __version__
-from vllm_edsd.checkpoint import (SAFETENSORS, atomic_directory, cast_floating, iter_tensors, save_safetensors,
-                                  tensor_shapes)
-from vllm_edsd.config import (
-    SUPPORTED_DTYPES,
-    TRAINING_ARCHITECTURE,
-    TRAINING_TO_VLLM_NAMES,
-    EDSDConfig,
-    EDSDError,
-    TargetFingerprint,
-    is_vllm_layout,
-    read_config_json,
-)
-from vllm_edsd.reference import DTYPES, check_tensors
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.config import LAYER_ID_CONVENTIONS, SUPPORTED_DTYPES, EDSDConfig, TargetFingerprint, read_config_json
+from vllm_edsd.formats.files import SAFETENSORS, atomic_directory, cast_floating, iter_tensors, save_safetensors, tensor_shapes
+from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, Layout, check_tensors, detect_layout
+from vllm_edsd.reference import DTYPES, token_norm
 
-TOKEN_NORM = ("edfuse.token_norm.weight", "edfuse.token_norm.bias")
+TOKEN_NORM_PREFIX = "edfuse.token_norm."
+EMBEDDING = "embed_tokens.weight"
+# SpecForge's training loop writes one folder per save: <out>/epoch_{e}_step_{s}/.
+SPECFORGE_SAVE = re.compile(r"epoch_(\d+)_step_(\d+)")
 
 
 @dataclass
@@ -40,6 +38,7 @@ class Summary:
 
     src: str
     dst: str
+    layout: str
     parameters: int
     dtype: str
     vocab_size: int
@@ -47,7 +46,9 @@ class Summary:
     source_layer_ids: list[int]
     source_convention: str
     vllm_layer_ids: list[int]
+    token_norm: str
     folded: bool
+    embedding: str
     target: TargetFingerprint | None
 
     def render(self) -> str:
@@ -55,17 +56,32 @@ class Summary:
             f"checked: vocab {self.target.vocab_size}, hidden {self.target.hidden_size}, "
             f"{self.target.num_hidden_layers} layers"
         )
+        norm = f"{self.token_norm}, " + (
+            "folded into a draft-owned embedding table" if self.folded else "kept; embedding shared with the target"
+        )
         return "\n".join([
-            f"converted   {self.src}",
+            f"converted   {self.src} ({self.layout})",
             f"        ->  {self.dst}",
             f"parameters  {self.parameters:,} ({self.dtype})",
             f"vocabulary  draft {self.draft_vocab_size:,} of target {self.vocab_size:,}",
             f"aux layers  {self.source_layer_ids} ({self.source_convention}) = {self.vllm_layer_ids} in vLLM's convention",
-            f"token norm  {'folded into a draft-owned embedding table' if self.folded else 'kept; embedding shared with the target'}",
+            f"token norm  {norm}",
+            f"embedding   {self.embedding}",
             f"target      {target}",
             "serve with  --speculative-config "
             + json.dumps({"method": "edsd", "model": self.dst, "num_speculative_tokens": 4}),
         ])
+
+
+def resolve_source(src: Path) -> Path:
+    """``src`` itself, or, for a SpecForge output directory without a config of its own,
+    its latest ``epoch_*_step_*`` save."""
+    if not src.is_dir() or (src / "config.json").is_file():
+        return src
+    saves = [(tuple(map(int, m.groups())), p) for p in src.iterdir() if (m := SPECFORGE_SAVE.fullmatch(p.name)) and p.is_dir()]
+    if not saves:
+        return src
+    return max(saves)[1]
 
 
 def _check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, cfg: EDSDConfig, source: str) -> None:
@@ -100,9 +116,35 @@ def _target_embedding(target: str | Path) -> torch.Tensor:
     raise EDSDError(f"{target}: no '*embed_tokens.weight' tensor found in the target checkpoint")
 
 
-def _fold_token_norm(embedding: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LN(Embed(x)) depends only on x: precompute it for the whole vocabulary."""
-    return torch.nn.functional.layer_norm(embedding.float(), (embedding.shape[-1],), weight.float(), bias.float(), eps)
+def _check_same_embedding(own: torch.Tensor, target_table: torch.Tensor, source: str, target: str | Path) -> None:
+    """A drafter's copy of the embedding must be its target's (up to the precision it was saved in)."""
+    own, target_table = own.float(), target_table.float()
+    if own.shape != target_table.shape:
+        raise EDSDError(f"{source}: '{EMBEDDING}' has shape {list(own.shape)}, the target's table {list(target_table.shape)}")
+    scale = target_table.abs().max().clamp(min=1e-6)
+    if ((own - target_table).abs().max() / scale) > 1e-2:
+        raise EDSDError(
+            f"{source}: '{EMBEDDING}' differs from the embedding of {target}: the drafter was trained for another target"
+        )
+
+
+@torch.no_grad()
+def _fold_token_norm(embedding: torch.Tensor, tensors: dict[str, torch.Tensor], cfg: EDSDConfig) -> torch.Tensor:
+    """norm(Embed(x)) depends only on x: precompute it for the whole vocabulary (in float32,
+    with the reference model's own norm) and take the norm's tensors out of the drafter."""
+    norm = token_norm(cfg).float()
+    norm.load_state_dict({k.removeprefix(TOKEN_NORM_PREFIX): tensors.pop(k).float()
+                          for k in list(tensors) if k.startswith(TOKEN_NORM_PREFIX)})
+    return norm(embedding.float())
+
+
+def _source_layout(src: Path, raw: dict, shapes: dict) -> Layout:
+    layout = detect_layout(raw, shapes, source=f"{src}/config.json")
+    if layout is EDSD_VLLM:
+        raise EDSDError(f"{src}: already in the vLLM layout; serve it directly")
+    if layout is EAGLE3:
+        raise EDSDError(f"{src}: an EAGLE-3 drafter, not EDSD: vLLM serves it as it is with \"method\": \"eagle3\"")
+    return layout
 
 
 def convert(
@@ -116,29 +158,28 @@ def convert(
     force: bool = False,
     progress: Callable[[Iterable, int], Iterable] | None = None,
 ) -> Summary:
-    """Convert ``src`` (training layout) into ``dst`` (vLLM layout); see the module docstring."""
-    src, dst = Path(src), Path(dst)
+    """Convert ``src`` (this project's training layout or SpecForge's) into ``dst`` (vLLM layout)."""
+    src, dst = resolve_source(Path(src)), Path(dst)
     source = str(src)
-    raw = read_config_json(src)
-    if is_vllm_layout(raw):
-        raise EDSDError(f"{src}: already in the vLLM layout; serve it directly")
-    archs = raw.get("architectures") or []
-    if archs and TRAINING_ARCHITECTURE not in archs:
-        raise EDSDError(f"{src}: not an EDSD training checkpoint (architectures={archs}, expected {TRAINING_ARCHITECTURE})")
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         raise EDSDError(f"--dtype {dtype!r} is not supported; choose from {', '.join(SUPPORTED_DTYPES)}")
+    if layer_id_convention is not None and layer_id_convention not in LAYER_ID_CONVENTIONS:
+        raise EDSDError(f"--layer-id-convention {layer_id_convention!r}: choose from {', '.join(LAYER_ID_CONVENTIONS)}")
     if fold_token_norm and target is None:
         raise EDSDError("--fold-token-norm needs --target: the folded table is built from the target's embedding")
     if dst.exists() and not force:
         raise EDSDError(f"{dst}: already exists (use --force to replace it)")
-    cfg = EDSDConfig.from_dict(raw, source=f"{src}/config.json", layer_id_convention=layer_id_convention)
+    raw = read_config_json(src)
+    shapes = tensor_shapes(src)
+    layout = _source_layout(src, raw, shapes)
+    translated = layout.translate_config(raw, f"{src}/config.json")
+    cfg = EDSDConfig.from_dict(translated, source=f"{src}/config.json", layer_id_convention=layer_id_convention)
     if cfg.token_norm_folded:
         raise EDSDError(f"{src}/config.json: edsd_config.token_norm_folded is true in a training checkpoint")
-    convention = layer_id_convention or raw["edsd_config"]["aux_layer_id_convention"]
-    source_ids = list(raw["edsd_config"]["aux_layer_ids"])
+    convention = layer_id_convention or translated["edsd_config"]["aux_layer_id_convention"]
+    source_ids = list(translated["edsd_config"]["aux_layer_ids"])
 
-    shapes = tensor_shapes(src)
-    check_tensors(cfg, shapes, layout="training", source=source)
+    check_tensors(cfg, shapes, layout, source=source)
     fingerprint = None
     if target is not None:
         fingerprint = _target_fingerprint(target)
@@ -147,29 +188,33 @@ def convert(
     out_dtype = dtype or cfg.torch_dtype
 
     tensors: dict[str, torch.Tensor] = {}
-    mapping: dict[str, torch.Tensor] = {}
-    names = list(shapes)
-    for name, tensor in (progress or (lambda it, n: it))(iter_tensors(src), len(names)):
-        if name in ("d2t", "t2d"):
-            mapping[name] = tensor
-        elif not tensor.is_floating_point():
-            raise EDSDError(f"{source}: tensor '{name}' has dtype {tensor.dtype}; weights must be floating point")
-        elif not torch.isfinite(tensor).all():
-            raise EDSDError(f"{source}: tensor '{name}' contains NaN or Inf")
-        tensors[name] = tensor
-    if mapping:
-        _check_vocab_mapping(mapping["d2t"], mapping["t2d"], cfg, source)
+    for name, tensor in (progress or (lambda it, n: it))(iter_tensors(src), len(shapes)):
+        if name not in ("d2t", "t2d"):
+            if not tensor.is_floating_point():
+                raise EDSDError(f"{source}: tensor '{name}' has dtype {tensor.dtype}; weights must be floating point")
+            if not torch.isfinite(tensor).all():
+                raise EDSDError(f"{source}: tensor '{name}' contains NaN or Inf")
+        tensors[layout.names.to_canonical(name)] = tensor
+    if "d2t" in tensors:
+        _check_vocab_mapping(tensors["d2t"], tensors["t2d"], cfg, source)
 
+    own_embedding = tensors.pop(EMBEDDING, None)
+    target_table = _target_embedding(target) if target is not None and (fold_token_norm or own_embedding is not None) else None
+    if own_embedding is None:
+        embedding = "none in the checkpoint; vLLM shares the target's"
+    elif target_table is None:
+        embedding = f"'{EMBEDDING}' dropped, vLLM shares the target's (not compared: pass --target)"
+    else:
+        _check_same_embedding(own_embedding, target_table, source, target)
+        embedding = f"'{EMBEDDING}' equals the target's; dropped, vLLM shares the target's"
     if fold_token_norm:
-        weight, bias = (tensors.pop(n) for n in TOKEN_NORM)
-        embedding = tensors.get("embed_tokens.weight")
-        embedding = _target_embedding(target) if embedding is None else embedding
-        if tuple(embedding.shape) != (cfg.vocab_size, cfg.hidden_size):
+        if tuple(target_table.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise EDSDError(
-                f"{target}: embedding table has shape {list(embedding.shape)}, expected {[cfg.vocab_size, cfg.hidden_size]}"
+                f"{target}: embedding table has shape {list(target_table.shape)}, expected {[cfg.vocab_size, cfg.hidden_size]}"
             )
-        tensors["embed_tokens.weight"] = _fold_token_norm(embedding, weight, bias, cfg.token_norm_eps)
+        tensors[EMBEDDING] = _fold_token_norm(target_table, tensors, cfg)
         cfg = cfg.with_updates(token_norm_folded=True)
+        embedding = f"the drafter's own: {cfg.token_norm}(target embedding), {cfg.vocab_size:,} rows"
 
     cfg = cfg.with_updates(
         torch_dtype=out_dtype,
@@ -177,21 +222,20 @@ def convert(
             "converter": {"name": "vllm-edsd", "version": __version__},
             "source": {
                 "path": str(src.resolve()),
-                "layout": "edsd-training",
+                "layout": layout.name,
                 "aux_layer_ids": source_ids,
                 "aux_layer_id_convention": convention,
             },
         },
     )
-    out = cast_floating({TRAINING_TO_VLLM_NAMES.get(name, name): t for name, t in tensors.items()}, DTYPES[out_dtype])
+    out = cast_floating(EDSD_VLLM.rename_from_canonical(tensors), DTYPES[out_dtype])
     with atomic_directory(dst, force=force) as tmp:
         save_safetensors(out, tmp / SAFETENSORS)
-        (tmp / "config.json").write_text(json.dumps(cfg.to_vllm_dict(), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(EDSD_VLLM.config_json(cfg), indent=2) + "\n")
     return Summary(
-        src=str(src), dst=str(dst), dtype=out_dtype,
-        parameters=sum(t.numel() for n, t in out.items() if t.is_floating_point() and n != "embed_tokens.weight"),
+        src=source, dst=str(dst), layout=layout.describe, dtype=out_dtype,
+        parameters=sum(t.numel() for n, t in out.items() if t.is_floating_point() and n != EMBEDDING),
         vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
-        source_layer_ids=source_ids, source_convention=convention,
-        vllm_layer_ids=list(cfg.aux_layer_ids), folded=cfg.token_norm_folded, target=fingerprint,
+        source_layer_ids=source_ids, source_convention=convention, vllm_layer_ids=list(cfg.aux_layer_ids),
+        token_norm=cfg.token_norm, folded=cfg.token_norm_folded, embedding=embedding, target=fingerprint,
     )
-

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import EDSDConfig, EDSDError, read_config_json
+from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
+from vllm_edsd.errors import EDSDError
 from ..data import load_conversations, load_sharegpt
 from ..reference import EDSDDraftModel
 from ..target import decoder_of, load_target
 from .eagle3 import Eagle3DraftModel
 from .features import cache_key, extract_features, tokenize_conversations
+from .schedule import READINGS
 from .trainer import Recipe, train
 from .vocab import build_vocab_mapping
 
@@ -45,7 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers-from", help="the JSON written by `edsd select` (edsd only)")
     parser.add_argument("--epochs", type=int, default=8, help="T (default 8)")
     parser.add_argument("--ttt-steps", type=int, default=7, help="S_max for edsd, the fixed steps for eagle3 (default 7)")
-    parser.add_argument("--gamma", type=float, default=3.0, help="Mask-p_t step in percent (default 3)")
+    parser.add_argument("--edtrain-reading", choices=sorted(READINGS), default="paper",
+                        help="which EDTrain to run: 'paper' = Eqs. 5-6 (floor, gamma 3%%, per sample, full-vocabulary "
+                             "entropy; default), 'specforge' = SpecForge's code (ceil, 2%% capped at 40%%, ranked over "
+                             "the batch, entropy over the draft vocabulary)")
+    parser.add_argument("--gamma", type=float, default=None,
+                        help="Mask-p_t percent per remaining epoch (default: the reading's, 3 or 2)")
+    parser.add_argument("--token-norm", choices=TOKEN_NORMS, default=RMSNORM,
+                        help="EDFuse's norm of the token embedding: rmsnorm (SpecForge's, default) or layernorm "
+                             "(with bias, as the paper's prose describes)")
     parser.add_argument("--no-mask-p", action="store_true", help="ablation: no entropy mask")
     parser.add_argument("--no-step-n", action="store_true", help="ablation: fixed TTT steps")
     parser.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5, the paper's)")
@@ -93,7 +103,7 @@ def regenerate(target: str, conversations: list, cache: Path, max_tokens: int) -
         return [json.loads(line) for line in cache.read_text().splitlines()]
     from vllm import SamplingParams
 
-    from ..engine import llm_session
+    from vllm_edsd.serving.engine import llm_session
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     out = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
@@ -119,7 +129,7 @@ def build_model(args, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t,
     edsd_layers = layers if args.method == "edsd" else layers[:2]
     cfg = EDSDConfig.for_target(cfg_raw, edsd_layers, draft_vocab_size=draft_vocab,
                                 fuse_intermediate_size=args.fuse_intermediate_size,
-                                intermediate_size=args.intermediate_size)
+                                intermediate_size=args.intermediate_size, token_norm=args.token_norm)
     torch.manual_seed(args.seed)
     model = EDSDDraftModel(cfg) if args.method == "edsd" else Eagle3DraftModel(cfg, layers)
     with torch.no_grad():
@@ -156,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(args.device)
     target_head = target_model.get_output_embeddings().weight.detach().float()
     del target_model
-    recipe = Recipe(method=args.method, epochs=args.epochs, max_ttt_steps=args.ttt_steps, gamma=args.gamma,
+    recipe = Recipe(method=args.method, epochs=args.epochs, max_ttt_steps=args.ttt_steps,
+                    reading=args.edtrain_reading, gamma=args.gamma,
                     mask_p=args.method == "edsd" and not args.no_mask_p,
                     step_n=args.method == "edsd" and not args.no_step_n,
                     lr=args.lr, batch_size=args.batch_size, seed=args.seed)

@@ -14,11 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import SAFETENSORS, cast_floating, save_safetensors
-from ..config import EDSDConfig
-from ..reference import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
-
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+from vllm_edsd.formats.config import EDSDConfig
+from vllm_edsd.formats.files import SAFETENSORS, cast_floating, save_safetensors
+from vllm_edsd.formats.layouts import EAGLE3
+from vllm_edsd.reference import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -53,10 +52,10 @@ class Eagle3DraftModel(DraftHead):
         """config.json + model.safetensors that vLLM's EAGLE-3 loader reads as they are."""
         cfg = self.config
         dtype = dtype or cfg.torch_dtype
-        raw = {k: v for k, v in cfg.to_training_dict().items() if k != "edsd_config"}
         ids = list(self.aux_layer_ids)
+        raw = cfg.llama_fields()
         raw.update(
-            architectures=[ARCHITECTURE],
+            architectures=[EAGLE3.architecture],
             torch_dtype=dtype,
             norm_before_residual=False,
             eagle_aux_hidden_state_layer_ids=ids,

@@ -5,7 +5,8 @@ predicts x_{p+2}, whose target distribution is the target's output at position p
 (k = 0..n_t-1) at index p sits at RoPE position p+k, is fed x_{p+k+1} and the previous
 step's pre-norm output, and predicts x_{p+k+2}. Writing j = p+k+1 for the target position,
 a prediction counts when x_{j+1} is an assistant token, the target's argmax at j is in the
-draft vocabulary, and (Mask-p_t) j is not among the epoch's highest-entropy positions.
+draft vocabulary, and (Mask-p_t) j is not among the epoch's highest-entropy positions
+(ranked as the recipe's reading of EDTrain says, ``schedule.py``).
 Soft labels are the target's probabilities restricted to the draft vocabulary; step k's
 loss is weighted 0.8^k.
 """
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from ..reference import KeyValueSteps
 from ..target import token_entropy
 from .features import iterate_batches
-from .schedule import entropy_mask, mask_percent, ttt_steps
+from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
 STEP_WEIGHT = 0.8
 STATE_FILE = "training_state.pt"
@@ -39,7 +40,8 @@ class Recipe:
     method: str = "edsd"
     epochs: int = 8
     max_ttt_steps: int = 7
-    gamma: float = 3.0
+    reading: str = "paper"  # of EDTrain's schedules: "paper" or "specforge"
+    gamma: float | None = None  # Mask-p_t percent per remaining epoch; None: the reading's
     mask_p: bool = True
     step_n: bool = True
     lr: float = 5e-5
@@ -48,10 +50,10 @@ class Recipe:
     seed: int = 0
 
     def percent(self, epoch: int) -> float:
-        return mask_percent(epoch, self.epochs, self.gamma) if self.mask_p else 0.0
+        return READINGS[self.reading].mask_percent(epoch, self.epochs, self.gamma) if self.mask_p else 0.0
 
     def steps(self, epoch: int) -> int:
-        return ttt_steps(epoch, self.epochs, self.max_ttt_steps) if self.step_n else self.max_ttt_steps
+        return READINGS[self.reading].ttt_steps(epoch, self.epochs, self.max_ttt_steps) if self.step_n else self.max_ttt_steps
 
 
 @dataclass
@@ -71,20 +73,29 @@ def _shift(x: torch.Tensor, k: int, fill) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], 1)
 
 
-def ttt_loss(model, batch: dict[str, torch.Tensor], target_head: torch.Tensor, num_steps: int, percent: float) -> BatchResult:
+def ttt_loss(
+    model, batch: dict[str, torch.Tensor], target_head: torch.Tensor, num_steps: int, percent: float,
+    reading: str = "paper",
+) -> BatchResult:
     """Training-time-test loss of one batch (see the module docstring for the alignment)."""
     device = target_head.device
+    schedule = READINGS[reading]
     ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
     features = batch["aux"].to(device).float()
     with torch.no_grad():
         target_logits = batch["final"].to(device).float() @ target_head.T  # [B, T, V]
-        entropy = token_entropy(target_logits)
         used = torch.nonzero(model.t2d).flatten()
-        soft = torch.softmax(target_logits[..., used], -1)
+        draft_logits = target_logits[..., used]
+        soft = torch.softmax(draft_logits, -1)
         target_argmax = target_logits.argmax(-1)
+        in_draft_vocab = model.t2d[target_argmax]
         predicts_assistant = _shift(loss_mask, 1, False)  # x_{j+1} is an assistant token
-        kept = entropy_mask(entropy, predicts_assistant, percent)
-        counted = kept & model.t2d[target_argmax]
+        if schedule.entropy_over == DRAFT_VOCAB:  # SpecForge: rank only positions that can count
+            eligible, entropy = predicts_assistant & in_draft_vocab, token_entropy(draft_logits)
+        else:
+            eligible, entropy = predicts_assistant, token_entropy(target_logits)
+        kept = entropy_mask(entropy, eligible, percent, schedule.scope)
+        counted = kept & in_draft_vocab
     b, t = ids.shape
     positions = torch.arange(t, device=device).expand(b, t)
     g, kv = model.project(features), KeyValueSteps()
@@ -100,7 +111,7 @@ def ttt_loss(model, batch: dict[str, torch.Tensor], target_head: torch.Tensor, n
             accs.append(float((hit.float() * weight).sum() / denom))
     return BatchResult(
         loss=total, step_acc=accs, counted=int(counted.sum()),
-        masked=int((predicts_assistant & ~kept).sum()), eligible=int(predicts_assistant.sum()),
+        masked=int((eligible & ~kept).sum()), eligible=int(eligible.sum()),
     )
 
 
@@ -129,7 +140,7 @@ def train(
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
         if state["recipe"] != asdict(recipe):
-            from ..config import EDSDError
+            from vllm_edsd.errors import EDSDError
 
             raise EDSDError(f"{out_dir}: holds an interrupted run with a different recipe; use another --out")
         model.load_state_dict(state["model"])
@@ -146,7 +157,7 @@ def train(
         bar = tqdm(iterate_batches(shards, recipe.batch_size, generator), desc=f"epoch {epoch + 1}/{recipe.epochs}",
                    unit="batch")
         for batch in bar:
-            result = ttt_loss(model, batch, target_head, steps, percent)
+            result = ttt_loss(model, batch, target_head, steps, percent, recipe.reading)
             optimizer.zero_grad()
             result.loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, recipe.grad_clip)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import EDSDError
+from vllm_edsd.errors import EDSDError
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -93,10 +93,6 @@ def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                     raise EDSDError(f"{file}: tensor '{name}' cannot be read, the file is truncated or corrupt ({exc})") from None
 
 
-def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    return dict(iter_tensors(path))
-
-
 @contextmanager
 def atomic_directory(dst: str | Path, *, force: bool = False) -> Iterator[Path]:
     """Build a directory next to ``dst`` and move it into place only on success.
@@ -136,8 +132,6 @@ def cast_floating(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
 
 def cast_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype) -> None:
     """Copy a ``config.json`` + safetensors checkpoint with its floating tensors cast to ``dtype``."""
-    import json
-
     src = Path(src)
     config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = str(dtype).removeprefix("torch.")

@@ -26,12 +26,28 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
-from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix, process_eagle_weight
+from vllm.model_executor.models.utils import (WeightsMapper, get_draft_quant_config, maybe_prefix,
+                                              process_eagle_weight)
 
-from .config import VLLM_TO_TRAINING_NAMES, EDSDConfig, EDSDError, TargetFingerprint
-from .reference import expected_shapes
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.config import LAYERNORM, EDSDConfig, TargetFingerprint
+from vllm_edsd.formats.layouts import EDSD_VLLM
+from vllm_edsd.reference import expected_shapes
 
-# Checkpoint name -> (parameter name, shard id) for vLLM's fused projections.
+# vLLM-layout tensor name -> parameter name; names not listed (``lm_head.*``) keep theirs, and
+# ``t2d`` is dropped: ``d2t`` alone maps the vocabulary.
+_CHECKPOINT_TO_PARAMS = WeightsMapper(
+    orig_to_new_prefix={
+        "midlayer.": "model.layers.0.",
+        "fc.": "model.fc.",
+        "edfuse.": "model.edfuse.",
+        "norm.": "model.norm.",
+        "embed_tokens.": "model.embed_tokens.",
+        "d2t": "draft_id_to_target_id",
+        "t2d": None,
+    }
+)
+# Parameter name -> (fused parameter name, shard id) for vLLM's fused projections.
 _STACKED = {
     ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
     ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
@@ -49,7 +65,7 @@ class EDSDDecoderLayer(LlamaDecoderLayer):
 
 
 class EDFuse(nn.Module):
-    """``down(silu(gate(g)) * up(LN(e)))``; gate/up column-parallel, down row-parallel."""
+    """``down(silu(gate(g)) * up(norm(e)))``; gate/up column-parallel, down row-parallel."""
 
     def __init__(self, edsd: EDSDConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -63,7 +79,10 @@ class EDFuse(nn.Module):
         self.fuse_down = RowParallelLinear(
             m, d, bias=False, quant_config=quant_config, prefix=f"{prefix}.fuse_down", return_bias=False
         )
-        self.token_norm = None if edsd.token_norm_folded else nn.LayerNorm(d, eps=edsd.token_norm_eps)
+        self.token_norm = None
+        if not edsd.token_norm_folded:
+            norm = nn.LayerNorm if edsd.token_norm == LAYERNORM else RMSNorm
+            self.token_norm = norm(d, eps=edsd.token_norm_eps)
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         if self.token_norm is not None:
@@ -149,7 +168,7 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
             if self.edsd.draft_vocab_size != self.edsd.vocab_size
             else None
         )
-        self._shapes = expected_shapes(self.edsd)
+        self._shapes = EDSD_VLLM.rename_from_canonical(expected_shapes(self.edsd))
         self.use_parallel_drafting = vllm_config.speculative_config.parallel_drafting
         if self.use_parallel_drafting:
             raise EDSDError("EDSD drafters do not support parallel_drafting; remove it from the speculative config")
@@ -166,17 +185,15 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.fc(hidden_states)
 
-    def _checkpoint_to_param(self, name: str) -> tuple[str, object]:
-        """Map a vLLM-layout tensor name to (parameter name, shard id or None)."""
-        if name == "d2t":
-            return "draft_id_to_target_id", None
-        if name.startswith("lm_head."):
-            return name, None
-        name = "model." + name.replace("midlayer.", "layers.0.", 1)
-        for ckpt, (param, shard) in _STACKED.items():
-            if ckpt in name:
-                return name.replace(ckpt, param), shard
-        return name, None
+    def _checkpoint_to_param(self, name: str) -> tuple[str | None, object]:
+        """(parameter name or None to skip, shard id or None) of a vLLM-layout tensor."""
+        param = _CHECKPOINT_TO_PARAMS.map_name(name)
+        if param is None:
+            return None, None
+        for unfused, (fused, shard) in _STACKED.items():
+            if unfused in param:
+                return param.replace(unfused, fused), shard
+        return param, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
@@ -185,12 +202,12 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
             expected.discard("draft_id_to_target_id")
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name == "t2d" or (name == "d2t" and self.draft_id_to_target_id is None):
-                continue
             param_name, shard = self._checkpoint_to_param(name)
+            if param_name is None or (name == "d2t" and self.draft_id_to_target_id is None):
+                continue
             if param_name not in params:
                 raise EDSDError(f"EDSD drafter: unexpected tensor '{name}' in checkpoint (run `edsd convert`?)")
-            want = self._shapes.get(VLLM_TO_TRAINING_NAMES.get(name, name))
+            want = self._shapes.get(name)
             if want is not None and tuple(tensor.shape) != want:
                 raise EDSDError(f"EDSD drafter: tensor '{name}' has shape {list(tensor.shape)}, expected {list(want)}")
             param = params[param_name]

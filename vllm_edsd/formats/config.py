@@ -1,9 +1,10 @@
-"""The EDSD draft configuration: one parser and validator for both checkpoint layouts.
+"""The EDSD draft configuration: one parser and validator for every checkpoint layout.
 
-Training writes the *training layout* (SPEC §3.1), vLLM loads the *vLLM layout* (SPEC §3.2).
-Both share the Llama hyper-parameters of the draft decoder layer plus an ``edsd_config``
-block; this module is the only place that reads or writes them, so the converter, the
-trainer, the reference model and the vLLM plugin cannot disagree about a field.
+This project's training layout (SPEC §3.1) and the vLLM layout (SPEC §3.2) share the Llama
+hyper-parameters of the draft decoder layer plus an ``edsd_config`` block; SpecForge's
+config is translated into that form by ``layouts.py`` first. This module is the only place
+that reads or writes the fields, so the converter, the trainer, the reference model and the
+vLLM plugin cannot disagree about one.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-TRAINING_ARCHITECTURE = "LlamaForCausalLMEDSD"
-VLLM_ARCHITECTURE = "EDSDLlamaForCausalLM"
-# vLLM prefixes ``Eagle3`` to every eagle3 draft architecture (configs/eagle.py).
-VLLM_ARCHITECTURE_EAGLE3_ALIAS = "Eagle3" + VLLM_ARCHITECTURE
+from vllm_edsd.errors import EDSDError
 
 LAYER_INPUT = "layer_input"  # EAGLE / vLLM / SGLang: id l = input of decoder layer l
 LAYER_OUTPUT = "layer_output"  # SpecForge: id l = output of decoder layer l = vLLM id l+1
@@ -25,18 +23,13 @@ LAYER_ID_CONVENTIONS = (LAYER_INPUT, LAYER_OUTPUT)
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
-# EDFuse tensor names differ between layouts: inside vLLM, ``*.gate_proj``/``*.up_proj``
-# would be caught by the stacked-weight mappers that merge a Llama MLP's gate and up.
-TRAINING_TO_VLLM_NAMES = {
-    "edfuse.gate_proj.weight": "edfuse.feature_gate.weight",
-    "edfuse.up_proj.weight": "edfuse.token_up.weight",
-    "edfuse.down_proj.weight": "edfuse.fuse_down.weight",
-}
-VLLM_TO_TRAINING_NAMES = {v: k for k, v in TRAINING_TO_VLLM_NAMES.items()}
-
-
-class EDSDError(ValueError):
-    """A user-facing error: the message names the file, field or tensor at fault."""
+# The norm EDFuse applies to the token embedding. SpecForge's EDSD (what the paper's drafters
+# were trained with) uses an RMSNorm; the paper's prose describes a LayerNorm with bias.
+RMSNORM = "rmsnorm"
+LAYERNORM = "layernorm"
+TOKEN_NORMS = (RMSNORM, LAYERNORM)
+# A config written before the field existed had the LayerNorm.
+LEGACY_TOKEN_NORM = LAYERNORM
 
 
 @dataclass(frozen=True)
@@ -86,6 +79,7 @@ class EDSDConfig:
     fuse_intermediate_size: int
     aux_layer_ids: tuple[int, int]
     rms_norm_eps: float = 1e-5
+    token_norm: str = RMSNORM
     token_norm_eps: float = 1e-5
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 2048
@@ -137,8 +131,9 @@ class EDSDConfig:
         if layers != 1:
             raise EDSDError(f"{source}: field 'num_hidden_layers' must be 1 for an EDSD drafter, got {layers!r}")
         vocab = need(raw, "vocab_size", int)
-        draft_vocab = raw.get("draft_vocab_size") or vocab
-        if not isinstance(draft_vocab, int) or draft_vocab <= 0 or draft_vocab > vocab:
+        draft_vocab = raw.get("draft_vocab_size")
+        draft_vocab = vocab if draft_vocab is None else draft_vocab
+        if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or not 0 < draft_vocab <= vocab:
             raise EDSDError(
                 f"{source}: field 'draft_vocab_size' must be an integer in 1..vocab_size={vocab}, got {draft_vocab!r}"
             )
@@ -182,6 +177,9 @@ class EDSDConfig:
         folded = edsd.get("token_norm_folded", False)
         if not isinstance(folded, bool):
             raise EDSDError(f"{source}: field 'edsd_config.token_norm_folded' must be true or false")
+        token_norm = edsd.get("token_norm", LEGACY_TOKEN_NORM)
+        if token_norm not in TOKEN_NORMS:
+            raise EDSDError(f"{source}: field 'edsd_config.token_norm' is {token_norm!r}; supported: {', '.join(TOKEN_NORMS)}")
         return cls(
             hidden_size=hidden,
             intermediate_size=need(raw, "intermediate_size", int),
@@ -194,6 +192,7 @@ class EDSDConfig:
             fuse_intermediate_size=need(edsd, "fuse_intermediate_size", int, "edsd_config."),
             aux_layer_ids=vllm_ids,  # type: ignore[arg-type]
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            token_norm=token_norm,
             token_norm_eps=float(edsd.get("token_norm_eps", 1e-5)),
             rope_parameters=rope_parameters_of(raw, source),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
@@ -217,9 +216,11 @@ class EDSDConfig:
         draft_vocab_size: int | None = None,
         fuse_intermediate_size: int | None = None,
         intermediate_size: int | None = None,
+        token_norm: str = RMSNORM,
     ) -> "EDSDConfig":
         """A drafter shaped for a target's ``config.json`` (SPEC §2 defaults: d = d_t,
-        m = the target's FFN width, the target's attention geometry and RoPE)."""
+        m = the target's FFN width, the target's attention geometry and RoPE; the token
+        norm of SpecForge's EDSD unless asked otherwise)."""
         t = target.get("text_config") or target
         fingerprint = TargetFingerprint.from_hf_config(t)
         copied = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -234,6 +235,8 @@ class EDSDConfig:
                 "aux_layer_ids": list(aux_layer_ids),
                 "aux_layer_id_convention": LAYER_INPUT,
                 "fuse_intermediate_size": fuse_intermediate_size or t["intermediate_size"],
+                "token_norm": token_norm,
+                "token_norm_eps": t.get("rms_norm_eps", 1e-5),
                 "target": {k: v for k, v in asdict(fingerprint).items() if v is not None},
             },
         )
@@ -244,7 +247,8 @@ class EDSDConfig:
         return cfg
 
     # ---------------------------------------------------------------- writing
-    def _llama_fields(self) -> dict:
+    def llama_fields(self) -> dict:
+        """The Llama hyper-parameters of the draft decoder layer, as config.json writes them."""
         out = {
             "model_type": "llama",
             "hidden_size": self.hidden_size,
@@ -276,6 +280,7 @@ class EDSDConfig:
             "aux_layer_ids": [i - shift for i in self.aux_layer_ids],
             "aux_layer_id_convention": convention,
             "fuse_intermediate_size": self.fuse_intermediate_size,
+            "token_norm": self.token_norm,
             "token_norm_eps": self.token_norm_eps,
             "token_norm_folded": self.token_norm_folded,
         }
@@ -284,20 +289,20 @@ class EDSDConfig:
         block.update(self.metadata)
         return block
 
-    def to_training_dict(self) -> dict:
+    def to_training_dict(self, architecture: str) -> dict:
         """config.json of the training layout (SPEC §3.1), ids in vLLM's convention."""
         return {
-            "architectures": [TRAINING_ARCHITECTURE],
-            **self._llama_fields(),
+            "architectures": [architecture],
+            **self.llama_fields(),
             "edsd_config": self._edsd_block(LAYER_INPUT),
         }
 
-    def to_vllm_dict(self) -> dict:
+    def to_vllm_dict(self, architecture: str) -> dict:
         """config.json of the vLLM layout (SPEC §3.2)."""
         ids = list(self.aux_layer_ids)
         return {
-            "architectures": [VLLM_ARCHITECTURE],
-            **self._llama_fields(),
+            "architectures": [architecture],
+            **self.llama_fields(),
             "eagle_aux_hidden_state_layer_ids": ids,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
             "edsd_config": self._edsd_block(LAYER_INPUT),
@@ -375,8 +380,3 @@ def read_config_json(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise EDSDError(f"{cfg}: expected a JSON object")
     return raw
-
-
-def is_vllm_layout(raw: dict) -> bool:
-    archs = raw.get("architectures") or []
-    return VLLM_ARCHITECTURE in archs or VLLM_ARCHITECTURE_EAGLE3_ALIAS in archs

@@ -16,25 +16,17 @@ import os
 import re
 from typing import Any
 
-from .checkpoint import tensor_shapes
-from .config import (
-    TRAINING_ARCHITECTURE,
-    VLLM_ARCHITECTURE,
-    VLLM_ARCHITECTURE_EAGLE3_ALIAS,
-    EDSDConfig,
-    EDSDError,
-    TargetFingerprint,
-    is_vllm_layout,
-    read_config_json,
-)
-from .reference import check_tensors
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.config import EDSDConfig, TargetFingerprint, read_config_json
+from vllm_edsd.formats.files import tensor_shapes
+from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, check_tensors, detect_layout
 
 logger = logging.getLogger("vllm_edsd")
 
 METHOD = "edsd"
 SUPPORTED_VLLM = ((0, 32), (0, 34))  # [0.32, 0.34)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
-_MODEL_CLASS = "vllm_edsd.vllm_model:EDSDLlamaForCausalLM"
+_MODEL_CLASS = "vllm_edsd.serving.vllm_model:EDSDLlamaForCausalLM"
 _installed = False
 
 
@@ -92,21 +84,18 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
     if _is_hub_id(model):
         return None
     raw = read_config_json(model)
-    archs = raw.get("architectures") or []
-    if TRAINING_ARCHITECTURE in archs:
+    # Header-only reads: a broken checkpoint fails here, naming the tensor, rather than
+    # deep inside an engine worker.
+    shapes = tensor_shapes(model)
+    layout = detect_layout(raw, shapes, source=f"{model}/config.json")
+    if layout is EAGLE3:
+        raise EDSDError(f"{model}: an EAGLE-3 drafter, not EDSD: use \"method\": \"eagle3\"")
+    if layout is not EDSD_VLLM:
         raise EDSDError(
-            f"{model}: this is an EDSD *training* checkpoint; convert it for vLLM first: "
-            f"edsd convert {model} OUTPUT_DIR"
+            f"{model}: {layout.describe}, not the vLLM layout; convert it first: edsd convert {model} OUTPUT_DIR"
         )
-    if not is_vllm_layout(raw):
-        raise EDSDError(
-            f"{model}: not an EDSD drafter (architectures={archs}); "
-            "for an EAGLE-3 drafter use \"method\": \"eagle3\""
-        )
-    drafter = EDSDConfig.from_dict(raw, source=f"{model}/config.json")
-    # Header-only check of every tensor, so a broken checkpoint fails here with its
-    # name rather than deep inside an engine worker.
-    check_tensors(drafter, tensor_shapes(model), layout="vllm", source=model)
+    drafter = EDSD_VLLM.read_config(raw, source=f"{model}/config.json")
+    check_tensors(drafter, shapes, EDSD_VLLM, source=model)
     return drafter
 
 
@@ -127,9 +116,9 @@ def _wrap_speculative_config() -> None:
         original(self, *args, **{**kwargs, "method": "eagle3"})
         if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
             raw = self.draft_model_config.hf_config.to_dict()
-            if VLLM_ARCHITECTURE_EAGLE3_ALIAS not in (self.draft_model_config.architectures or []):
+            if not set(EDSD_VLLM.architectures) & set(self.draft_model_config.architectures or []):
                 raise EDSDError(f"{kwargs['model']}: not an EDSD drafter (architectures={raw.get('architectures')})")
-            drafter = EDSDConfig.from_dict(raw, source=f"{kwargs['model']}/config.json")
+            drafter = EDSD_VLLM.read_config(raw, source=f"{kwargs['model']}/config.json")
         target = TargetFingerprint.from_hf_config(self.target_model_config.hf_text_config)
         drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
 
@@ -145,7 +134,7 @@ def install() -> None:
     _installed = True
     from vllm import ModelRegistry
 
-    for name in (VLLM_ARCHITECTURE, VLLM_ARCHITECTURE_EAGLE3_ALIAS):
+    for name in EDSD_VLLM.architectures:
         ModelRegistry.register_model(name, _MODEL_CLASS)
     _wrap_speculative_config()
     if not version_supported(vllm_version()):

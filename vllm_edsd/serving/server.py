@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from .config import EDSDError
-from .engine import CPU_MEMORY_FRACTION, on_cpu
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.serving.engine import CPU_MEMORY_FRACTION, on_cpu
 
 
 def free_port() -> int:

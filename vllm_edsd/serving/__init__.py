@@ -1,0 +1,3 @@
+"""Serving EDSD drafters in vLLM: the plugin that adds ``"method": "edsd"`` (``plugin``), the
+draft model vLLM runs (``vllm_model``), and the engine and OpenAI-server helpers the demo,
+the bench and the tests share (``engine``, ``server``)."""
