@@ -3,7 +3,9 @@ completions and chat, streaming and not, and the spec-decode counters on /metric
 
 from __future__ import annotations
 
+import _thread
 import json
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -105,16 +107,42 @@ def _processes_with(marker: str) -> list[int]:
     return pids
 
 
-def test_server_stopped_during_start_up_leaves_no_engine_process(models, tmp_path):
-    """A start-up time-out stops the API server and the engine core it had already spawned."""
+def _interrupt_when_logged(log: Path, text: str, limit_s: float = 600) -> threading.Thread:
+    """Raise KeyboardInterrupt in the main thread (as Ctrl-C would) once ``text`` is in ``log``."""
+    def watch():
+        deadline = time.time() + limit_s
+        while time.time() < deadline:
+            if log.exists() and text in log.read_text():
+                _thread.interrupt_main()
+                return
+            time.sleep(0.2)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher
+
+
+def test_server_interrupted_during_start_up_leaves_no_engine_process(models, tmp_path):
+    """Ctrl-C while the server starts stops the API server and the engine core it had already
+    spawned. The interrupt is sent once the engine core has logged, however slow the machine."""
     marker = f"EDSD_TEST_MARKER={uuid.uuid4().hex}"
     log = tmp_path / "startup.log"
-    with pytest.raises(EDSDError, match="not healthy"):
-        with running_server(models["llama"], log_path=log, startup_timeout_s=25,
+    _interrupt_when_logged(log, "EngineCore")
+    with pytest.raises(KeyboardInterrupt):
+        with running_server(models["llama"], log_path=log,
                             env={marker.split("=")[0]: marker.split("=")[1]}):
-            pass
-    assert "EngineCore" in log.read_text(), "the engine core had not started: the test proves nothing"
-    deadline = time.time() + 10
+            pytest.fail("the server became healthy before the engine core logged")
+    assert _gone_within(marker, limit_s=10)
+
+
+def _gone_within(marker: str, limit_s: float) -> bool:
+    deadline = time.time() + limit_s
     while _processes_with(marker) and time.time() < deadline:
         time.sleep(0.5)
-    assert _processes_with(marker) == []
+    return _processes_with(marker) == []
+
+
+def test_server_start_up_time_out_is_one_clear_error(models, tmp_path):
+    """A server that is not healthy in time gives the project's error with the log's tail."""
+    with pytest.raises(EDSDError, match="not healthy after 1 s"):
+        with running_server(models["llama"], log_path=tmp_path / "startup.log", startup_timeout_s=1):
+            pass
