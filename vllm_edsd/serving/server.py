@@ -64,7 +64,8 @@ def running_server(
     log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")  # kept for error messages
     proc = subprocess.Popen(
         server_command(target, spec, port, extra_args),
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},  # the log is current, for errors and readers
         start_new_session=True,  # its own process group: stopping it reaches the engine processes too
     )
     base = f"http://127.0.0.1:{port}"
