@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _thread
 import json
+import signal
 import threading
 import time
 import uuid
@@ -126,11 +127,16 @@ def test_server_interrupted_during_start_up_leaves_no_engine_process(models, tmp
     spawned. The interrupt is sent once the engine core has logged, however slow the machine."""
     marker = f"EDSD_TEST_MARKER={uuid.uuid4().hex}"
     log = tmp_path / "startup.log"
-    _interrupt_when_logged(log, "EngineCore")
-    with pytest.raises(KeyboardInterrupt):
-        with running_server(models["llama"], log_path=log,
-                            env={marker.split("=")[0]: marker.split("=")[1]}):
-            pytest.fail("the server became healthy before the engine core logged")
+    # Python's own Ctrl-C handling, whatever an engine built in this process earlier installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_when_logged(log, "EngineCore")
+        with pytest.raises(KeyboardInterrupt):
+            with running_server(models["llama"], log_path=log,
+                                env={marker.split("=")[0]: marker.split("=")[1]}):
+                pytest.fail("the server became healthy before the engine core logged")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert _gone_within(marker, limit_s=10)
 
 
