@@ -108,18 +108,15 @@ def _processes_with(marker: str) -> list[int]:
     return pids
 
 
-def _interrupt_when_logged(log: Path, text: str, limit_s: float = 600) -> threading.Thread:
-    """Raise KeyboardInterrupt in the main thread (as Ctrl-C would) once ``text`` is in ``log``."""
+def _interrupt_when_logged(log: Path, text: str, done: threading.Event) -> None:
+    """Raise KeyboardInterrupt in the main thread (as Ctrl-C would) once ``text`` is in ``log``;
+    the watcher ends when ``done`` is set, so it can never interrupt a later test."""
     def watch():
-        deadline = time.time() + limit_s
-        while time.time() < deadline:
+        while not done.wait(0.2):
             if log.exists() and text in log.read_text():
                 _thread.interrupt_main()
                 return
-            time.sleep(0.2)
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    return watcher
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def test_server_interrupted_during_start_up_leaves_no_engine_process(models, tmp_path):
@@ -129,13 +126,15 @@ def test_server_interrupted_during_start_up_leaves_no_engine_process(models, tmp
     log = tmp_path / "startup.log"
     # Python's own Ctrl-C handling, whatever an engine built in this process earlier installed.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    done = threading.Event()
     try:
-        _interrupt_when_logged(log, "EngineCore")
+        _interrupt_when_logged(log, "EngineCore", done)
         with pytest.raises(KeyboardInterrupt):
             with running_server(models["llama"], log_path=log,
                                 env={marker.split("=")[0]: marker.split("=")[1]}):
                 pytest.fail("the server became healthy before the engine core logged")
     finally:
+        done.set()
         signal.signal(signal.SIGINT, previous)
     assert _gone_within(marker, limit_s=10)
 
