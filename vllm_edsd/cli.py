@@ -19,7 +19,7 @@ SUBCOMMANDS = {
     "select": ("vllm_edsd.selection_cli", "EDSelect: score every target layer and pick the two aux layers"),
     "train": ("vllm_edsd.training.cli", "EDTrain: train an EDSD drafter (or an EAGLE-3 baseline) for a target"),
     "demo": ("vllm_edsd.demo", "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show tau and speed-up"),
-    "build-demo": ("vllm_edsd.demo_build", "make the embedded demo pair (target + EDSD + EAGLE-3) from PyPI data"),
+    "build-demo": ("vllm_edsd.demo.build", "train the embedded demo drafters (EDSD + EAGLE-3) for the demo target from PyPI data"),
 }
 
 EPILOG = """\

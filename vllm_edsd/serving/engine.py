@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 CPU_MEMORY_FRACTION = float(os.environ.get("EDSD_CPU_MEMORY_FRACTION", "0.25"))
@@ -20,6 +21,16 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def cpu_dtype() -> str:
+    """bfloat16 where the CPU computes it natively (AVX-512 BF16 or AMX), else float32: on an
+    AVX2-only CPU bf16 matrix products are emulated and several times slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
 def speculative_config(method: str, model: str | None, k: int, **extra: Any) -> dict | None:
@@ -36,7 +47,7 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
 
     defaults: dict[str, Any] = {"disable_log_stats": False, "seed": 0}
     if on_cpu():
-        defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=2048)
+        defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=2048, dtype=cpu_dtype())
     defaults.update(kwargs)
     return LLM(model=target, speculative_config=spec, **defaults)
 

