@@ -16,6 +16,7 @@ import torch
 from vllm_edsd.cli import main
 from vllm_edsd.formats.config import EDSDConfig
 from vllm_edsd.reference import EDSDDraftModel, KeyValueSteps
+from vllm_edsd.target import token_entropy
 from vllm_edsd.training.schedule import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
 from vllm_edsd.training.trainer import ttt_loss
 from vllm_edsd.training.vocab import build_vocab_mapping
@@ -77,8 +78,10 @@ def test_specforge_reading_ranks_by_draft_vocabulary_entropy():
     final = torch.zeros(1, 3, 8)
     final[0, 0, :6] = torch.tensor([5.0, 5.0, -9.0, -9.0, -9.0, -9.0])
     final[0, 1, :6] = torch.tensor([3.0, 1.0, 2.5, 2.5, 2.5, 2.5])
+    logits = final @ head.T  # what feature extraction stores: the target's argmax and entropy
     batch = {"input_ids": torch.tensor([[1, 2, 3]]), "loss_mask": torch.tensor([[False, True, True]]),
-             "aux": torch.zeros(1, 3, 16), "final": final}
+             "aux": torch.zeros(1, 3, 16), "final": final,
+             "target_argmax": logits.argmax(-1), "target_entropy": token_entropy(logits)}
     paper = ttt_loss(model, batch, head, 1, 50.0, "paper")
     specforge = ttt_loss(model, batch, head, 1, 50.0, "specforge")
     assert (paper.eligible, paper.masked, paper.counted) == (2, 1, 1)

@@ -32,7 +32,7 @@ from vllm_edsd.errors import EDSDError
 from . import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, measure_acceptance
 from .target import demo_target
 
-CHAT_PROMPTS, CODE_PROMPTS = 240, 120  # the shipped drafters' data (with the seed 0)
+CHAT_PROMPTS, CODE_PROMPTS = 480, 240  # the shipped drafters' data (with the seed 0)
 PROMPT_CHARS = 600  # prompts are cut: training cost grows with every token of context
 CODE_REQUEST = re.compile(r"\b(python|javascript|typescript|java|c\+\+|rust|golang|sql|function|code|script|"
                           r"class|regex|bash|html|css|program)\b", re.IGNORECASE)
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--chat-prompts", type=int, default=CHAT_PROMPTS, help=f"ShareGPT chat prompts the target answers (default {CHAT_PROMPTS})")
     add("--code-prompts", type=int, default=CODE_PROMPTS, help=f"ShareGPT code requests the target answers (default {CODE_PROMPTS})")
     add("--answer-tokens", type=int, default=192, help="max tokens per regenerated answer (default 192)")
-    add("--draft-epochs", type=int, default=3, help="T for both drafters (default 3)")
+    add("--draft-epochs", type=int, default=5, help="T for both drafters (default 5)")
     add("--ttt-steps", type=int, default=4, help="S_max for EDSD = the fixed TTT steps of EAGLE-3 (default 4)")
     add("--draft-lr", type=float, default=1e-3, help="drafter learning rate (default 1e-3)")
     add("--draft-vocab-size", type=int, default=4096, help="draft vocabulary of both drafters (default 4096)")

@@ -3,8 +3,10 @@ cached on disk in shards so that an interrupted extraction resumes where it stop
 
 Each cached sample keeps what training needs and nothing else: token ids, the assistant
 loss mask, the aux hidden states of the chosen layers and the target's final hidden state
-(the lm_head input; target logits, soft labels and entropies are recomputed from it, which
-is far smaller than storing logits).
+(the lm_head input: soft labels over the draft vocabulary are recomputed from it, far smaller
+than storing logits), plus the target's argmax and full-vocabulary entropy per position,
+which would otherwise cost a full-vocabulary product in every training step. Hidden states
+are stored in bf16: fp16 overflows on targets with large residual values.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 from tqdm import tqdm
 
 from ..data import Conversation, render_conversation
-from ..target import run_target
+from ..target import run_target, token_entropy
 
 SHARD_SIZE = 64
+CACHE_FORMAT = 2  # bump when a record's fields change: the key then misses old caches
 
 
 def tokenize_conversations(tokenizer, conversations: list[Conversation], max_length: int) -> list[tuple[list[int], list[int]]]:
@@ -34,7 +37,7 @@ def tokenize_conversations(tokenizer, conversations: list[Conversation], max_len
 
 
 def cache_key(target: str, layer_ids: tuple[int, ...], samples: list[tuple[list[int], list[int]]]) -> str:
-    digest = hashlib.sha256(json.dumps([str(Path(target).resolve()), list(layer_ids)]).encode())
+    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, str(Path(target).resolve()), list(layer_ids)]).encode())
     for ids, mask in samples:
         digest.update(json.dumps([ids, mask]).encode())
     return digest.hexdigest()[:16]
@@ -59,7 +62,7 @@ def extract_features(
         if path.exists():
             continue
         records = []
-        chunk = samples[start : start + SHARD_SIZE]
+        chunk = sorted(samples[start : start + SHARD_SIZE], key=lambda sample: len(sample[0]))  # little padding
         for b in range(0, len(chunk), batch_size):
             batch = chunk[b : b + batch_size]
             width = max(len(ids) for ids, _ in batch)
@@ -70,13 +73,16 @@ def extract_features(
                 attention[row, : len(tokens)] = 1
             out = run_target(target_model, ids.to(device), layer_ids, attention.to(device))
             aux = out.features(layer_ids)
+            argmax, entropy = out.logits.argmax(-1), token_entropy(out.logits)
             for row, (tokens, mask) in enumerate(batch):
                 n = len(tokens)
                 records.append({
                     "input_ids": torch.tensor(tokens, dtype=torch.int32),
                     "loss_mask": torch.tensor(mask, dtype=torch.bool),
-                    "aux": aux[row, :n].to(torch.float16).cpu(),
-                    "final": out.final_hidden[row, :n].to(torch.float16).cpu(),
+                    "aux": aux[row, :n].to(torch.bfloat16).cpu(),
+                    "final": out.final_hidden[row, :n].to(torch.bfloat16).cpu(),
+                    "target_argmax": argmax[row, :n].to(torch.int32).cpu(),
+                    "target_entropy": entropy[row, :n].float().cpu(),
                 })
         tmp = path.with_suffix(".tmp")
         torch.save(records, tmp)
@@ -85,12 +91,15 @@ def extract_features(
 
 
 def iterate_batches(shards: list[Path], batch_size: int, generator: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
-    """Right-padded batches, shards and samples in a seeded random order."""
+    """Right-padded batches in a seeded random order: shards shuffled, and within a shard
+    samples of similar length batched together (little padding), the batches shuffled."""
     for shard_index in torch.randperm(len(shards), generator=generator).tolist():
         records = torch.load(shards[shard_index], weights_only=True)
         order = torch.randperm(len(records), generator=generator).tolist()
-        for b in range(0, len(order), batch_size):
-            batch = [records[i] for i in order[b : b + batch_size]]
+        order.sort(key=lambda i: len(records[i]["input_ids"]))  # stable: ties keep the random order
+        batches = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
+        for pick in torch.randperm(len(batches), generator=generator).tolist():
+            batch = [records[i] for i in batches[pick]]
             width = max(len(r["input_ids"]) for r in batch)
 
             def pad(key: str, fill=0) -> torch.Tensor:
@@ -101,4 +110,5 @@ def iterate_batches(shards: list[Path], batch_size: int, generator: torch.Genera
                 return out
 
             yield {"input_ids": pad("input_ids").long(), "loss_mask": pad("loss_mask", False),
-                   "aux": pad("aux"), "final": pad("final")}
+                   "aux": pad("aux"), "final": pad("final"), "target_argmax": pad("target_argmax", -1).long(),
+                   "target_entropy": pad("target_entropy")}

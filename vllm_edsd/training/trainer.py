@@ -83,17 +83,16 @@ def ttt_loss(
     ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
     features = batch["aux"].to(device).float()
     with torch.no_grad():
-        target_logits = batch["final"].to(device).float() @ target_head.T  # [B, T, V]
         used = torch.nonzero(model.t2d).flatten()
-        draft_logits = target_logits[..., used]
+        draft_logits = batch["final"].to(device).float() @ target_head[used].T  # [B, T, V_draft]
         soft = torch.softmax(draft_logits, -1)
-        target_argmax = target_logits.argmax(-1)
-        in_draft_vocab = model.t2d[target_argmax]
+        target_argmax = batch["target_argmax"].to(device)
+        in_draft_vocab = model.t2d[target_argmax.clamp(min=0)] & (target_argmax >= 0)
         predicts_assistant = _shift(loss_mask, 1, False)  # x_{j+1} is an assistant token
         if schedule.entropy_over == DRAFT_VOCAB:  # SpecForge: rank only positions that can count
             eligible, entropy = predicts_assistant & in_draft_vocab, token_entropy(draft_logits)
         else:
-            eligible, entropy = predicts_assistant, token_entropy(target_logits)
+            eligible, entropy = predicts_assistant, batch["target_entropy"].to(device)
         kept = entropy_mask(entropy, eligible, percent, schedule.scope)
         counted = kept & in_draft_vocab
     b, t = ids.shape
