@@ -71,7 +71,8 @@ def test_demo_prompts_are_in_no_training_data():
 
 def test_target_answers_in_english(paths, engine_runs):
     """The demo target is a real chat model: its greedy answer to the hash-table prompt is about hash tables."""
-    
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(paths["target"])
     index = [prompt for _, prompt in DEMO_PROMPTS].index("Explain what a hash table is to a beginner.")
     text = tokenizer.decode(serve(paths, engine_runs, None)["outputs"][index])
