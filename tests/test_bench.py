@@ -119,3 +119,17 @@ def test_aggregate_counts_failures_and_derives_ttft_itl():
     assert row["output_tokens"] == 7 and row["output_tokens_per_s"] == pytest.approx(7 / 3.0)
     assert row["ttft_mean_s"] == pytest.approx(0.35) and row["e2e_mean_s"] == pytest.approx(1.5)
     assert row["itl_p50_s"] == pytest.approx((0.2 + 1.0) / 2)
+
+
+@pytest.mark.parametrize(("suite", "absent", "package"), [("acceptance", "matplotlib", "matplotlib"),
+                                                           ("latency", "locust", "locust")])
+def test_missing_optional_dependency_is_one_line_before_any_work(tmp_path, suite, absent, package):
+    """Without the bench extra, `python -m bench` names what to install and exits 2 before it
+    measures anything (no traceback, no output directory)."""
+    out = tmp_path / "results"
+    code = (f"import sys; sys.modules[{absent!r}] = None\n"  # what an environment without it looks like
+            f"from bench.__main__ import main; sys.exit(main([{suite!r}, '--out', {str(out)!r}, '--quick']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"missing {package}" in proc.stderr and "pip install 'vllm-edsd[bench]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()

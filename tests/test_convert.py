@@ -134,6 +134,28 @@ def test_dtype_and_force(training_ckpt, tmp_path, capsys):
     assert load_file(dst / "model.safetensors")["fc.weight"].dtype == torch.float16
 
 
+@pytest.mark.parametrize("kind", ["other directory", "drafter plus a user's file", "file"])
+def test_force_never_replaces_what_convert_did_not_write(training_ckpt, tmp_path, capsys, kind):
+    """A mistyped DST with --force (a home directory, a drafter someone put notes in, a file)
+    is refused with one line and left exactly as it was."""
+    dst = tmp_path / "dst"
+    if kind == "file":
+        dst.write_text("keep me")
+    else:
+        if kind == "drafter plus a user's file":
+            assert run_convert(capsys, training_ckpt, dst)[0] == 0
+        else:
+            dst.mkdir()
+        (dst / "notes.txt").write_text("keep me")
+    before = sorted(p.name for p in dst.iterdir()) if dst.is_dir() else None
+    code, out, err = run_convert(capsys, training_ckpt, dst, "--force")
+    assert code == 2 and "refusing to replace it with --force" in err and "Traceback" not in err + out
+    if kind == "file":
+        assert dst.read_text() == "keep me"
+    else:
+        assert sorted(p.name for p in dst.iterdir()) == before and (dst / "notes.txt").read_text() == "keep me"
+
+
 def _truncate(path: Path) -> None:
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -166,6 +188,23 @@ BAD_INPUTS = {
     "nan": ({"tensors": _nan}, "tensor 'norm.weight' contains NaN or Inf"),
     "int weights": ({"tensors": lambda t: t.update({"norm.weight": torch.ones(256, dtype=torch.int32)})},
                     "tensor 'norm.weight' has dtype torch.int32"),
+    "draft vocab zero": ({"config": lambda c: c.update(draft_vocab_size=0)},
+                         "field 'draft_vocab_size' must be an integer in 1..vocab_size"),
+    "head_dim zero": ({"config": lambda c: c.update(head_dim=0)}, "field 'head_dim' must be positive, got 0"),
+    "head_dim odd": ({"config": lambda c: c.update(head_dim=63)}, "field 'head_dim' must be even"),
+    "heads do not divide": ({"config": lambda c: (c.pop("head_dim", None), c.update(num_attention_heads=7))},
+                            "hidden_size=256 is not a multiple of num_attention_heads=7"),
+    "kv heads not a number": ({"config": lambda c: c.update(num_key_value_heads="two")},
+                              "field 'num_key_value_heads' must be an integer, got 'two'"),
+    "target width not a number": ({"config": lambda c: c.update(target_hidden_size="wide")},
+                                  "field 'target_hidden_size' must be an integer, got 'wide'"),
+    "eps not a number": ({"config": lambda c: c.update(rms_norm_eps="small")},
+                         "field 'rms_norm_eps' must be a number, got 'small'"),
+    "llama3 rope incomplete": ({"config": lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+                                                                             "factor": 8.0})},
+                               "llama3 RoPE needs 'low_freq_factor' as a positive number, got missing"),
+    "linear rope factor": ({"config": lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": "x"})},
+                           "linear RoPE needs 'factor' as a positive number, got 'x'"),
 }
 
 

@@ -36,3 +36,62 @@ def test_packaged_sharegpt_loads():
     conversations = load_sharegpt(50, seed=1)
     assert len(conversations) == 50
     assert all(c[0]["role"] in ("user", "system") and any(m["role"] == "assistant" for m in c) for c in conversations)
+
+
+# Qwen3 / DeepSeek-R1 style: an answer's reasoning is shown only while it is the last message.
+DROPS_EARLIER_REASONING = (
+    "{% for m in messages %}{% set c = m['content'] %}"
+    "{% if m['role'] == 'assistant' and not loop.last and '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "<|{{ m['role'] }}|>{{ c }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# A template whose generation prompt is not how it renders an answer: nothing can be learned.
+PROMPT_NOT_FOLLOWED = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>Sure!{% endif %}"
+)
+REASONING_CHAT = [
+    {"role": "user", "content": "first question"}, {"role": "assistant", "content": "<think>why one</think>answer one"},
+    {"role": "user", "content": "second question"}, {"role": "assistant", "content": "<think>why two</think>answer two"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from vllm_edsd.toy import toy_corpus, train_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(toy_corpus().splitlines(), 400, out)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+def _learned(tokenizer, ids, mask) -> str:
+    return tokenizer.decode([t for t, m in zip(ids, mask) if m])
+
+
+def test_template_that_drops_earlier_reasoning_gives_one_sample_per_answer(tokenizer):
+    """Each answer is learned in the context the model sees when it writes it: earlier answers
+    without their reasoning, its own reasoning included."""
+    from vllm_edsd.data import TemplateError, render_conversation, render_samples
+
+    tokenizer.chat_template = DROPS_EARLIER_REASONING
+    with pytest.raises(TemplateError):
+        render_conversation(tokenizer, REASONING_CHAT)
+    first, second = render_samples(tokenizer, REASONING_CHAT)
+    assert _learned(tokenizer, *first).replace(" ", "") == "<think>whyone</think>answerone<|end|>"
+    assert _learned(tokenizer, *second).replace(" ", "") == "<think>whytwo</think>answertwo<|end|>"
+    context = tokenizer.decode(second[0]).replace(" ", "")
+    assert "answerone" in context and "whyone" not in context
+
+
+def test_conversations_a_template_cannot_render_are_skipped_and_counted(tokenizer):
+    from vllm_edsd.data import render_many
+
+    tokenizer.chat_template = PROMPT_NOT_FOLLOWED
+    samples, skipped = render_many(tokenizer, [REASONING_CHAT, REASONING_CHAT[:2]])
+    assert samples == [] and skipped == 2
+    tokenizer.chat_template = DROPS_EARLIER_REASONING
+    samples, skipped = render_many(tokenizer, [REASONING_CHAT, REASONING_CHAT[:2]])
+    assert len(samples) == 3 and skipped == 0

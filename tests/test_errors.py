@@ -93,6 +93,21 @@ def test_malformed_speculative_config(models, extra, expected):
     assert expected in str(err.value)
 
 
+@pytest.mark.parametrize("case", ["mistyped relative path", "hub id with the hub switched off"])
+def test_missing_drafter_path_is_no_such_directory_not_a_download(models, tmp_path, monkeypatch, case):
+    """``runs/edsd`` looks like a hub id (org/name); when ``runs/`` exists here, or when
+    HF_HUB_OFFLINE is set, it is a path that does not exist, and the error says so."""
+    monkeypatch.chdir(tmp_path)
+    if case == "mistyped relative path":
+        (tmp_path / "runs").mkdir()
+        model = "runs/edsd"
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        model = "someone/edsd-drafter"
+    with pytest.raises(EDSDError, match=f"{model}: no such directory"):
+        engine_config(models["llama"], spec(model))
+
+
 def test_eagle3_drafter_under_edsd_method_is_refused(models, tmp_path):
     eagle_like = tmp_path / "eagle3"
     shutil.copytree(models["llama-edsd"], eagle_like)
@@ -127,5 +142,8 @@ def test_server_exits_with_the_message(models, drafters):
         "--speculative-config", json.dumps(spec(drafters["other_target"])),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "does not fit the target model" in proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    # The reason is one line of its own, not the last line of a vLLM traceback.
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("vllm-edsd: error:")]
+    assert len(errors) == 1 and "does not fit the target model" in errors[0]

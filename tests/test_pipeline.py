@@ -87,3 +87,18 @@ def test_offline_prediction_matches_vllm(models, engine_runs, trained):
     for p, m in zip(predicted.accepted_per_pos, measured["accepted_per_pos"]):
         assert abs(p - m) <= 0.02 * measured["drafts"] + 1
     assert sum(measured["accepted_per_pos"]) > 0
+
+
+def test_regeneration_cache_is_keyed_by_its_inputs(trained, tmp_path):
+    """Other conversations (a changed --data or --max-samples) regenerate; the same ones
+    reuse the cache."""
+    from vllm_edsd.training.cli import regenerate
+
+    lines = [l for l in toy_corpus().splitlines() if l.strip()][32:36]
+    convs = [[{"role": "user", "content": l}] for l in lines]
+    first = regenerate(trained["target"], convs[:2], tmp_path, 8)
+    assert [c[0]["content"] for c in first] == lines[:2]
+    assert regenerate(trained["target"], convs[:2], tmp_path, 8) == first
+    other = regenerate(trained["target"], convs[2:], tmp_path, 8)
+    assert [c[0]["content"] for c in other] == lines[2:]
+    assert len(list(tmp_path.glob("regenerated-*.jsonl"))) == 2

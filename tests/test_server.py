@@ -151,3 +151,31 @@ def test_server_start_up_time_out_is_one_clear_error(models, tmp_path):
     with pytest.raises(EDSDError, match="not healthy after 1 s"):
         with running_server(models["llama"], log_path=tmp_path / "startup.log", startup_timeout_s=1):
             pass
+
+
+def test_health_poll_outlasts_a_server_that_does_not_answer_yet(tmp_path):
+    """A server busy starting its engine accepts connections but answers ``/health`` late:
+    the wait treats a read time-out as "not yet" and ends, at its deadline, with the one
+    start-up error (before the fix: a ``requests`` ReadTimeout traceback)."""
+    import socket
+    import subprocess
+    import sys
+
+    from vllm_edsd.serving.server import wait_until_healthy
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepts (the kernel completes the handshake) and never replies
+        port = silent.getsockname()[1]
+        alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            with open(tmp_path / "server.log", "w+") as log:
+                log.write("INFO starting the engine\n")
+                started = time.time()
+                with pytest.raises(EDSDError, match="not healthy after 5 s") as err:
+                    wait_until_healthy(f"http://127.0.0.1:{port}", alive, 5, log)
+        finally:
+            alive.kill()
+            alive.wait()
+    assert "starting the engine" in str(err.value)  # the log is quoted
+    assert time.time() - started >= 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -203,7 +204,7 @@ def test_interrupted_training_resumes_to_the_same_result(models, chat_data, tmp_
         time.sleep(0.05)
     proc.kill()
     proc.wait()
-    interrupted_after = torch.load(cut / "training_state.pt", weights_only=False)["epoch"]
+    interrupted_after = torch.load(cut / "training_state.pt", weights_only=True)["epoch"]
     assert interrupted_after < 5, "the run finished before it could be interrupted"
     assert not (cut / "final").exists()
     assert train(models, chat_data, cut, *args) == 0
@@ -214,6 +215,32 @@ def test_interrupted_training_resumes_to_the_same_result(models, chat_data, tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+class _MakesDirectory:
+    """Unpickling this creates a directory: what a hostile training state could do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+@pytest.mark.parametrize("content", ["code", "garbage"])
+def test_resume_never_unpickles_code(models, chat_data, tmp_path, capsys, content):
+    """A training state planted in --out (or a corrupt one) is one clear error; nothing in it runs."""
+    out, marker = tmp_path / "run", tmp_path / "unpickled"
+    out.mkdir()
+    if content == "code":
+        torch.save({"recipe": _MakesDirectory(marker), "model": {}, "optimizer": {}, "epoch": 0},
+                   out / "training_state.pt")
+    else:
+        (out / "training_state.pt").write_bytes(b"not a torch file")
+    assert train(models, chat_data, out, "--layers", "1,3") == 2
+    err = capsys.readouterr().err
+    assert "not a training state this trainer wrote" in err and "Traceback" not in err
+    assert not marker.exists()
+
+
 def test_bad_training_arguments(models, chat_data, tmp_path, capsys):
     assert train(models, chat_data, tmp_path / "x") == 2
     assert "needs its two aux layers" in capsys.readouterr().err
@@ -221,3 +248,11 @@ def test_bad_training_arguments(models, chat_data, tmp_path, capsys):
     assert "must lie in 0..4" in capsys.readouterr().err
     assert train(models, chat_data, tmp_path / "x", "--method", "eagle3", "--layers", "1,2") == 2
     assert "needs 3 distinct" in capsys.readouterr().err
+    # A 0 once silently meant "the default" (the full vocabulary); every number is checked first.
+    for flag, value, expected in [("--draft-vocab-size", "0", "--draft-vocab-size must be in 1..512"),
+                                  ("--draft-vocab-size", "513", "--draft-vocab-size must be in 1..512"),
+                                  ("--epochs", "0", "--epochs must be a positive integer"),
+                                  ("--lr", "-1", "--lr must be positive")]:
+        assert train(models, chat_data, tmp_path / "x", "--layers", "1,3", flag, value) == 2
+        assert expected in capsys.readouterr().err
+    assert not (tmp_path / "x").exists(), "a refused run wrote nothing"

@@ -125,6 +125,10 @@ def load_humaneval() -> list[dict]:
     return [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
 
 
+class TemplateError(EDSDError):
+    """The chat template re-renders earlier turns once the conversation goes on."""
+
+
 def _template_ids(tokenizer, messages: Conversation, generation_prompt: bool) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -154,7 +158,7 @@ def render_conversation(
                 ids = head
             full = _template_ids(tokenizer, conversation[: i + 1], generation_prompt=False)
             if full[: len(ids)] != ids:
-                raise EDSDError("the chat template does not render a conversation prefix as a token prefix")
+                raise TemplateError("the chat template does not render a conversation prefix as a token prefix")
             mask += [1 if message["role"] == "assistant" else 0] * (len(full) - len(ids))
             ids = full
         if generation_prompt:
@@ -164,3 +168,44 @@ def render_conversation(
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return ids, mask
+
+
+def render_samples(tokenizer, conversation: Conversation, max_length: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """Training samples of one conversation, as ``render_conversation`` builds them.
+
+    Usually one: the whole conversation, every assistant turn learned. A template that
+    re-renders earlier turns once the conversation goes on (Qwen3 and DeepSeek-R1 drop the
+    reasoning of earlier answers) gives one sample per assistant turn instead: the
+    conversation up to that turn as the template shows it then, learning only that turn,
+    which is what the model sees when it writes it. Raises ``TemplateError`` when even a
+    single turn does not render after its own prompt.
+    """
+    try:
+        return [render_conversation(tokenizer, conversation, max_length)]
+    except TemplateError:
+        pass
+    samples = []
+    for i, message in enumerate(conversation):
+        if message["role"] != "assistant" or i == 0:
+            continue
+        head = _template_ids(tokenizer, conversation[:i], generation_prompt=True)
+        full = _template_ids(tokenizer, conversation[: i + 1], generation_prompt=False)
+        if full[: len(head)] != head:
+            raise TemplateError("the chat template does not render an answer after its own prompt")
+        mask = [0] * len(head) + [1] * (len(full) - len(head))
+        samples.append((full[:max_length], mask[:max_length]) if max_length is not None else (full, mask))
+    return samples
+
+
+def render_many(
+    tokenizer, conversations: list[Conversation], max_length: int | None = None
+) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """``render_samples`` of every conversation, and how many were skipped because the chat
+    template cannot render them (one odd conversation does not abort a long run)."""
+    samples, skipped = [], 0
+    for conv in conversations:
+        try:
+            samples += render_samples(tokenizer, conv, max_length)
+        except TemplateError:
+            skipped += 1
+    return samples, skipped

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from . import selection
 from vllm_edsd.formats.config import LAYER_INPUT
 from vllm_edsd.errors import EDSDError
-from .data import load_conversations, load_sharegpt, render_conversation
+from .data import load_conversations, load_sharegpt, render_many
 from .target import decoder_of, fingerprint, load_target, run_target
 
 TOKENS_FOR_ENTROPY = 4096
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_target(args.target, device=args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     conversations = load_conversations(args.data) if args.data else load_sharegpt(args.samples * 2, args.seed)
-    sequences = [ids for ids, _ in (render_conversation(tokenizer, c, args.max_length) for c in conversations) if len(ids) >= 4]
+    sequences = [ids for ids, _ in render_many(tokenizer, conversations, args.max_length)[0] if len(ids) >= 4]
     sequences = sequences[: args.samples]
     if len(sequences) < 2:
         raise EDSDError(f"only {len(sequences)} calibration samples of at least 4 tokens; need 2 or more")

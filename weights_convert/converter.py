@@ -138,6 +138,29 @@ def _fold_token_norm(embedding: torch.Tensor, tensors: dict[str, torch.Tensor], 
     return norm(embedding.float())
 
 
+CONVERTER_NAME = "vllm-edsd"
+WRITTEN_FILES = {"config.json", SAFETENSORS}
+
+
+def _check_replaceable(dst: Path) -> None:
+    """``--force`` replaces only a drafter this converter wrote, never another directory or file."""
+    why = None
+    if not dst.is_dir():
+        why = "it is not a directory"
+    else:
+        try:
+            written_by = json.loads((dst / "config.json").read_text())["edsd_config"]["converter"]["name"]
+        except (OSError, ValueError, KeyError, TypeError):
+            written_by = None
+        others = sorted(p.name for p in dst.iterdir() if p.name not in WRITTEN_FILES)
+        if written_by != CONVERTER_NAME:
+            why = "it is not a drafter written by edsd convert"
+        elif others:
+            why = f"it holds files edsd convert does not write ({', '.join(others[:3])})"
+    if why:
+        raise EDSDError(f"{dst}: refusing to replace it with --force: {why}; remove it yourself or choose another DST")
+
+
 def _source_layout(src: Path, raw: dict, shapes: dict) -> Layout:
     layout = detect_layout(raw, shapes, source=f"{src}/config.json")
     if layout is EDSD_VLLM:
@@ -167,8 +190,10 @@ def convert(
         raise EDSDError(f"--layer-id-convention {layer_id_convention!r}: choose from {', '.join(LAYER_ID_CONVENTIONS)}")
     if fold_token_norm and target is None:
         raise EDSDError("--fold-token-norm needs --target: the folded table is built from the target's embedding")
-    if dst.exists() and not force:
-        raise EDSDError(f"{dst}: already exists (use --force to replace it)")
+    if dst.exists():
+        if not force:
+            raise EDSDError(f"{dst}: already exists (use --force to replace it)")
+        _check_replaceable(dst)
     raw = read_config_json(src)
     shapes = tensor_shapes(src)
     layout = _source_layout(src, raw, shapes)
@@ -219,7 +244,7 @@ def convert(
     cfg = cfg.with_updates(
         torch_dtype=out_dtype,
         metadata={
-            "converter": {"name": "vllm-edsd", "version": __version__},
+            "converter": {"name": CONVERTER_NAME, "version": __version__},
             "source": {
                 "path": str(src.resolve()),
                 "layout": layout.name,

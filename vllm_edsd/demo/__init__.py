@@ -80,11 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _chat_server(base: str, prompt: str, max_tokens: int) -> tuple[str, int]:
-    import requests
+    from vllm_edsd.serving.server import post_json
 
     body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0}
-    reply = requests.post(f"{base}/v1/chat/completions", json=body, timeout=600).json()
+    reply = post_json(f"{base}/v1/chat/completions", body)
     return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
 
 
@@ -130,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     if args.paths:
         print(json.dumps(paths))
         return 0
+    if args.k < 1 or args.max_tokens < 1:
+        raise EDSDError(f"--k and --max-tokens must be positive, got {args.k} and {args.max_tokens}")
     measure = _measure_offline if args.offline else _measure_server
     how = "offline LLM.generate" if args.offline else "OpenAI-compatible server on 127.0.0.1"
     methods = [m for m in args.methods.split(",") if m]

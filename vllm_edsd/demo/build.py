@@ -91,7 +91,7 @@ def regenerate_answers(work: Path, target: Path, args: argparse.Namespace) -> Pa
     out = work / "regenerated.jsonl"
     if not out.is_file():
         prompts = drafter_prompts(args.chat_prompts, args.code_prompts, args.seed)
-        conversations = regenerate(str(target), prompts, work / "cache" / "regenerated.jsonl", args.answer_tokens)
+        conversations = regenerate(str(target), prompts, work / "cache", args.answer_tokens)
         out.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
     return out
 

@@ -125,6 +125,10 @@ class EDSDConfig:
                 raise EDSDError(f"{source}: field '{where}{key}' must be positive, got {value!r}")
             return value
 
+        def optional(block: dict, key: str, kind: type, default: Any, where: str = "") -> Any:
+            """A field that may be absent (or null): then ``default``; else checked as ``need`` does."""
+            return default if block.get(key) is None else need(block, key, kind, where)
+
         hidden = need(raw, "hidden_size", int)
         heads = need(raw, "num_attention_heads", int)
         layers = raw.get("num_hidden_layers", 1)
@@ -137,7 +141,12 @@ class EDSDConfig:
             raise EDSDError(
                 f"{source}: field 'draft_vocab_size' must be an integer in 1..vocab_size={vocab}, got {draft_vocab!r}"
             )
-        head_dim = raw.get("head_dim") or hidden // heads
+        if raw.get("head_dim") is None and hidden % heads:
+            raise EDSDError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                            "(give 'head_dim' explicitly if the attention width differs from hidden_size)")
+        head_dim = optional(raw, "head_dim", int, hidden // heads)
+        if head_dim % 2:
+            raise EDSDError(f"{source}: field 'head_dim' must be even (RoPE rotates pairs), got {head_dim}")
         convention = layer_id_convention or edsd.get("aux_layer_id_convention")
         if convention is None:
             raise EDSDError(
@@ -169,7 +178,7 @@ class EDSDConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise EDSDError(f"{source}: field 'hidden_act' is {act!r}; the EDSD draft layer is a SwiGLU (silu)")
-        kv_heads = raw.get("num_key_value_heads") or heads
+        kv_heads = optional(raw, "num_key_value_heads", int, heads)
         if heads % kv_heads:
             raise EDSDError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
@@ -188,14 +197,14 @@ class EDSDConfig:
             head_dim=head_dim,
             vocab_size=vocab,
             draft_vocab_size=draft_vocab,
-            target_hidden_size=raw.get("target_hidden_size") or hidden,
+            target_hidden_size=optional(raw, "target_hidden_size", int, hidden),
             fuse_intermediate_size=need(edsd, "fuse_intermediate_size", int, "edsd_config."),
             aux_layer_ids=vllm_ids,  # type: ignore[arg-type]
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=float(optional(raw, "rms_norm_eps", float, 1e-5)),
             token_norm=token_norm,
-            token_norm_eps=float(edsd.get("token_norm_eps", 1e-5)),
+            token_norm_eps=float(optional(edsd, "token_norm_eps", float, 1e-5, "edsd_config.")),
             rope_parameters=rope_parameters_of(raw, source),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=optional(raw, "max_position_embeddings", int, 2048),
             hidden_act=act,
             token_norm_folded=folded,
             torch_dtype=dtype,
@@ -229,7 +238,7 @@ class EDSDConfig:
         raw = {k: t[k] for k in copied if t.get(k) is not None}
         raw.update(
             num_hidden_layers=1,
-            draft_vocab_size=draft_vocab_size or t["vocab_size"],
+            draft_vocab_size=t["vocab_size"] if draft_vocab_size is None else draft_vocab_size,
             torch_dtype="float32",
             edsd_config={
                 "aux_layer_ids": list(aux_layer_ids),
@@ -340,6 +349,12 @@ class EDSDConfig:
             raise EDSDError(f"{drafter} does not fit the target model: " + "; ".join(problems))
 
 
+ROPE_SCALING_FIELDS = {  # what each scaled RoPE reads, beyond rope_theta
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
 def rope_parameters_of(raw: dict, source: str = "config.json") -> dict:
     """RoPE settings from a transformers 5 (``rope_parameters``) or 4 (``rope_theta``,
     ``rope_scaling``) config, normalised to the transformers 5 form."""
@@ -357,9 +372,15 @@ def rope_parameters_of(raw: dict, source: str = "config.json") -> dict:
             f"{source}: rope type {params['rope_type']!r} is not supported by the EDSD draft layer "
             "(supported: default, llama3, linear)"
         )
-    theta = params["rope_theta"]
-    if not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise EDSDError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    needed = ("rope_theta", *ROPE_SCALING_FIELDS.get(params["rope_type"], ()))
+    for key in needed:
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            what = "missing" if key not in params else f"{value!r}"
+            raise EDSDError(f"{source}: {params['rope_type']} RoPE needs '{key}' as a positive number, got {what}")
+    if params["rope_type"] == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
+        raise EDSDError(f"{source}: llama3 RoPE needs low_freq_factor < high_freq_factor, got "
+                        f"{params['low_freq_factor']} and {params['high_freq_factor']}")
     return params
 
 

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 from vllm_edsd.errors import EDSDError
@@ -45,8 +46,13 @@ def version_supported(version: str) -> bool:
 
 
 def _is_hub_id(model: str) -> bool:
-    """``org/name`` that is not a local path: vLLM resolves it from its model hub."""
-    return not os.path.exists(model) and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None
+    """``org/name`` that is not a local path: vLLM resolves it from its model hub. A missing
+    ``runs/edsd`` whose ``runs/`` exists here is a mistyped path, and with the hub switched off
+    (``HF_HUB_OFFLINE``) nothing is one: both then get "no such directory", not a failed download."""
+    if os.path.exists(model) or re.fullmatch(r"[\w.-]+/[\w.-]+", model) is None:
+        return False
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return not offline and not os.path.isdir(model.split("/")[0])
 
 
 def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) -> EDSDConfig | None:
@@ -99,6 +105,17 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
     return drafter
 
 
+SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main")
+
+
+def _serving_from_command_line() -> bool:
+    """This process is ``vllm serve`` or ``python -m vllm.entrypoints.openai.api_server``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None:
+        return spec.name in SERVER_MODULES
+    return os.path.basename(sys.argv[0]) == "vllm" and "serve" in sys.argv[1:2]
+
+
 def _wrap_speculative_config() -> None:
     from vllm.config import SpeculativeConfig
 
@@ -112,15 +129,21 @@ def _wrap_speculative_config() -> None:
         if kwargs.get("method") != METHOD:
             original(self, *args, **kwargs)
             return
-        drafter = check_speculative_request(kwargs, known_fields)
-        original(self, *args, **{**kwargs, "method": "eagle3"})
-        if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
-            raw = self.draft_model_config.hf_config.to_dict()
-            if not set(EDSD_VLLM.architectures) & set(self.draft_model_config.architectures or []):
-                raise EDSDError(f"{kwargs['model']}: not an EDSD drafter (architectures={raw.get('architectures')})")
-            drafter = EDSD_VLLM.read_config(raw, source=f"{kwargs['model']}/config.json")
-        target = TargetFingerprint.from_hf_config(self.target_model_config.hf_text_config)
-        drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
+        try:
+            drafter = check_speculative_request(kwargs, known_fields)
+            original(self, *args, **{**kwargs, "method": "eagle3"})
+            if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
+                raw = self.draft_model_config.hf_config.to_dict()
+                if not set(EDSD_VLLM.architectures) & set(self.draft_model_config.architectures or []):
+                    raise EDSDError(f"{kwargs['model']}: not an EDSD drafter (architectures={raw.get('architectures')})")
+                drafter = EDSD_VLLM.read_config(raw, source=f"{kwargs['model']}/config.json")
+            target = TargetFingerprint.from_hf_config(self.target_model_config.hf_text_config)
+            drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
+        except EDSDError as exc:
+            if _serving_from_command_line():  # a server's user reads one line, not vLLM's traceback
+                print(f"vllm-edsd: error: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+            raise  # a library caller (LLM(...)) gets the exception
 
     __init__._edsd_wrapped = True  # type: ignore[attr-defined]
     SpeculativeConfig.__init__ = __init__

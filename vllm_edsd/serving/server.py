@@ -50,6 +50,26 @@ def _tail(log: IO[str]) -> str:
     return log.read()[-4000:]
 
 
+def wait_until_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log: IO[str]) -> None:
+    """Poll ``/health`` until it answers 200. A refused connection or a reply slower than the
+    poll (a server busy starting its engine) means "not yet"; only the deadline or the
+    server's exit ends the wait, each as one error quoting the server's log."""
+    import requests
+
+    deadline = time.time() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise EDSDError(f"the vLLM server exited with status {proc.returncode} during start-up:\n{_tail(log)}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except (requests.ConnectionError, requests.Timeout):
+            pass
+        if time.time() > deadline:
+            raise EDSDError(f"the vLLM server was not healthy after {timeout_s:.0f} s:\n{_tail(log)}")
+        time.sleep(1)
+
+
 @contextmanager
 def running_server(
     target: str,
@@ -61,8 +81,6 @@ def running_server(
     env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Yield the base URL of a healthy server; always terminate it afterwards."""
-    import requests
-
     port = free_port()
     log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")  # kept for error messages
     proc = subprocess.Popen(
@@ -73,22 +91,29 @@ def running_server(
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise EDSDError(f"the vLLM server exited with status {proc.returncode} during start-up:\n{_tail(log)}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                raise EDSDError(f"the vLLM server was not healthy after {startup_timeout_s:.0f} s:\n{_tail(log)}")
-            time.sleep(1)
+        wait_until_healthy(base, proc, startup_timeout_s, log)
         yield base
     finally:
         stop_process_group(proc)
         log.close()
+
+
+def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
+    """POST ``body`` and return the JSON reply; a refused request is one error carrying the
+    server's own reason (an OpenAI-style ``{"error": {"message": ...}}`` or the raw text)."""
+    import requests
+
+    response = requests.post(url, json=body, timeout=timeout_s)
+    try:
+        reply = response.json()
+    except ValueError:
+        reply = None
+    if response.status_code != 200 or not isinstance(reply, dict):
+        error = reply.get("error", reply) if isinstance(reply, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        raise EDSDError(f"the server refused the request (HTTP {response.status_code}): "
+                        f"{message or response.text.strip()[:500] or response.reason}")
+    return reply
 
 
 def _group_alive(pgid: int) -> bool:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 from collections import Counter
@@ -70,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate-size", type=int, default=None, help="draft layer FFN width (default: target's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                        help="the target's dtype while features are extracted (default: bfloat16 on a GPU, "
+                             "float32 on a CPU; the drafter always trains in float32)")
 
 
 def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]:
@@ -97,9 +101,28 @@ def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]
     return tuple(sorted(ids))
 
 
-def regenerate(target: str, conversations: list, cache: Path, max_tokens: int) -> list:
+def check_numbers(args: argparse.Namespace, vocab: int) -> None:
+    """Refuse out-of-range numbers before any work (a 0 must not silently mean "the default")."""
+    if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= vocab:
+        raise EDSDError(f"--draft-vocab-size must be in 1..{vocab} (the target's vocabulary), got {args.draft_vocab_size}")
+    for flag in ("epochs", "ttt_steps", "batch_size", "max_length", "fuse_intermediate_size", "intermediate_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise EDSDError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise EDSDError(f"--max-samples must be a positive integer, got {args.max_samples}")
+    if not args.lr > 0:
+        raise EDSDError(f"--lr must be positive, got {args.lr}")
+
+
+def regenerate(target: str, conversations: list, cache_dir: Path, max_tokens: int) -> list:
     """Replace every assistant turn by the target's own greedy answer, turn by turn, with
-    vLLM (batched); the result is cached so a rerun does not regenerate."""
+    vLLM (batched). Cached in ``cache_dir`` under a key of everything the answers depend on
+    (the target's path and config, the conversations, ``max_tokens``), so a rerun with the
+    same inputs does not regenerate and a run with other inputs never reuses stale answers."""
+    target_config = (Path(target) / "config.json").read_text()
+    key = hashlib.sha256(json.dumps([str(Path(target).resolve()), target_config, max_tokens, conversations]).encode())
+    cache = cache_dir / f"regenerated-{key.hexdigest()[:16]}.jsonl"
     if cache.exists():
         return [json.loads(line) for line in cache.read_text().splitlines()]
     from vllm import SamplingParams
@@ -151,21 +174,24 @@ def run(args: argparse.Namespace) -> int:
     cfg_raw = read_config_json(args.target)
     text_cfg = cfg_raw.get("text_config") or cfg_raw
     layers = resolve_layers(args, text_cfg["num_hidden_layers"])
+    check_numbers(args, text_cfg["vocab_size"])
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     conversations = load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
     if args.regenerate:
-        conversations = regenerate(args.target, conversations, out / "cache" / "regenerated.jsonl", args.max_length // 2)
-    samples = tokenize_conversations(tokenizer, conversations, args.max_length)
+        conversations = regenerate(args.target, conversations, out / "cache", args.max_length // 2)
+    samples, skipped = tokenize_conversations(tokenizer, conversations, args.max_length)
     if not samples:
-        raise EDSDError("no usable training samples (every conversation lacks assistant tokens)")
+        raise EDSDError("no usable training samples (every conversation lacks assistant tokens"
+                        + (f", or the chat template cannot render it: {skipped} skipped)" if skipped else ")"))
     counts = Counter(t for ids, mask in samples for t, m in zip(ids[1:], mask[1:]) if m)
     vocab = text_cfg["vocab_size"]
-    d2t, t2d = build_vocab_mapping(counts, vocab, min(args.draft_vocab_size or 32000, vocab))
-    target_model = load_target(args.target, device=args.device)
+    d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    target_model = load_target(args.target, dtype=getattr(torch, dtype), device=args.device)
     shards = extract_features(target_model, samples, layers,
-                              out / "cache" / f"features-{cache_key(args.target, layers, samples)}", device=args.device)
+                              out / "cache" / f"features-{cache_key(args.target, layers, samples, dtype)}", device=args.device)
     model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(args.device)
     target_head = target_model.get_output_embeddings().weight.detach().float()
     del target_model
@@ -174,6 +200,9 @@ def run(args: argparse.Namespace) -> int:
                     mask_p=args.method == "edsd" and not args.no_mask_p,
                     step_n=args.method == "edsd" and not args.no_step_n,
                     lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+    if skipped:
+        print(f"skipped {skipped} of {len(conversations)} conversations: the chat template does not render "
+              "their answers after their own prompts")
     print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
           f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters")
     log = train(model, shards, target_head, recipe, out, lambda m, d: m.save_pretrained(d))

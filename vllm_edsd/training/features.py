@@ -19,25 +19,25 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..data import Conversation, render_conversation
+from ..data import Conversation, render_many
 from ..target import run_target, token_entropy
 
 SHARD_SIZE = 64
 CACHE_FORMAT = 2  # bump when a record's fields change: the key then misses old caches
 
 
-def tokenize_conversations(tokenizer, conversations: list[Conversation], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """Rendered samples that contain at least two tokens to learn."""
-    samples = []
-    for conv in conversations:
-        ids, mask = render_conversation(tokenizer, conv, max_length)
-        if sum(mask[2:]) >= 2:
-            samples.append((ids, mask))
-    return samples
+def tokenize_conversations(
+    tokenizer, conversations: list[Conversation], max_length: int
+) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """Rendered samples that contain at least two tokens to learn, and how many conversations
+    the chat template could not render."""
+    samples, skipped = render_many(tokenizer, conversations, max_length)
+    return [(ids, mask) for ids, mask in samples if sum(mask[2:]) >= 2], skipped
 
 
-def cache_key(target: str, layer_ids: tuple[int, ...], samples: list[tuple[list[int], list[int]]]) -> str:
-    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, str(Path(target).resolve()), list(layer_ids)]).encode())
+def cache_key(target: str, layer_ids: tuple[int, ...], samples: list[tuple[list[int], list[int]]], dtype: str) -> str:
+    """What the cached features depend on: format, target, layers, the target's dtype, samples."""
+    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, str(Path(target).resolve()), list(layer_ids), dtype]).encode())
     for ids, mask in samples:
         digest.update(json.dumps([ids, mask]).encode())
     return digest.hexdigest()[:16]

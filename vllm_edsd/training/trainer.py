@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..errors import EDSDError
 from ..reference import KeyValueSteps
 from ..target import token_entropy
 from .features import iterate_batches
@@ -114,6 +115,19 @@ def ttt_loss(
     )
 
 
+def _read_state(path: Path) -> dict:
+    """The saved training state, loaded without unpickling anything but tensors and plain data."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError or EOFError, by version
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise EDSDError(f"{path}: not a training state this trainer wrote ({reason}); "
+                        "remove it to start afresh or use another --out") from None
+    if not isinstance(state, dict) or not {"recipe", "model", "optimizer", "epoch"} <= state.keys():
+        raise EDSDError(f"{path}: not a training state this trainer wrote; remove it to start afresh or use another --out")
+    return state
+
+
 def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
@@ -137,10 +151,8 @@ def train(
     start_epoch, log = 0, []
     state_path, log_path = out_dir / STATE_FILE, out_dir / LOG_FILE
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = _read_state(state_path)
         if state["recipe"] != asdict(recipe):
-            from vllm_edsd.errors import EDSDError
-
             raise EDSDError(f"{out_dir}: holds an interrupted run with a different recipe; use another --out")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
