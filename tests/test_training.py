@@ -79,17 +79,17 @@ def test_specforge_reading_ranks_by_draft_vocabulary_entropy():
     final = torch.zeros(1, 3, 8)
     final[0, 0, :6] = torch.tensor([5.0, 5.0, -9.0, -9.0, -9.0, -9.0])
     final[0, 1, :6] = torch.tensor([3.0, 1.0, 2.5, 2.5, 2.5, 2.5])
-    logits = final @ head.T  # what feature extraction stores: the target's argmax and entropy
+    logits = final @ head.T  # the target's; feature extraction stores: the target's argmax and entropy
     batch = {"input_ids": torch.tensor([[1, 2, 3]]), "loss_mask": torch.tensor([[False, True, True]]),
              "aux": torch.zeros(1, 3, 16), "final": final,
              "target_argmax": logits.argmax(-1), "target_entropy": token_entropy(logits)}
-    paper = ttt_loss(model, batch, head, 1, 50.0, "paper")
-    specforge = ttt_loss(model, batch, head, 1, 50.0, "specforge")
+    paper = ttt_loss(model, batch, head[:2], 1, 50.0, "paper")
+    specforge = ttt_loss(model, batch, head[:2], 1, 50.0, "specforge")
     assert (paper.eligible, paper.masked, paper.counted) == (2, 1, 1)
     assert (specforge.eligible, specforge.masked, specforge.counted) == (2, 1, 1)
     # Which one was dropped shows in the loss: the paper drops position 1, SpecForge position 0.
-    drop0 = ttt_loss(model, {**batch, "loss_mask": torch.tensor([[False, False, True]])}, head, 1, 0.0)
-    drop1 = ttt_loss(model, {**batch, "loss_mask": torch.tensor([[False, True, False]])}, head, 1, 0.0)
+    drop0 = ttt_loss(model, {**batch, "loss_mask": torch.tensor([[False, False, True]])}, head[:2], 1, 0.0)
+    drop1 = ttt_loss(model, {**batch, "loss_mask": torch.tensor([[False, True, False]])}, head[:2], 1, 0.0)
     torch.testing.assert_close(paper.loss, drop1.loss)
     torch.testing.assert_close(specforge.loss, drop0.loss)
 

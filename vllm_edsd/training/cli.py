@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     shards = extract_features(target_model, samples, layers,
                               out / "cache" / f"features-{cache_key(args.target, layers, samples, dtype)}", device=args.device)
     model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(args.device)
-    target_head = target_model.get_output_embeddings().weight.detach().float()
+    # Only the draft vocabulary's rows (in draft-id order: d2t keeps target ids ascending) are read.
+    draft_head = target_model.get_output_embeddings().weight.detach()[torch.nonzero(t2d).flatten()].float()
     del target_model
     recipe = Recipe(method=args.method, epochs=args.epochs, max_ttt_steps=args.ttt_steps,
                     reading=args.edtrain_reading, gamma=args.gamma,
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
               "their answers after their own prompts")
     print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
           f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters")
-    log = train(model, shards, target_head, recipe, out, lambda m, d: m.save_pretrained(d))
+    log = train(model, shards, draft_head, recipe, out, lambda m, d: m.save_pretrained(d))
     last = log[-1]
     print(f"done: {len(log)} epochs, final loss {last['loss']:.3f}, accuracy per step "
           + ", ".join(f"{a:.2f}" for a in last["acc_per_step"]) + f"\ncheckpoint: {out / 'final'}")

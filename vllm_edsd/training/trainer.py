@@ -75,17 +75,17 @@ def _shift(x: torch.Tensor, k: int, fill) -> torch.Tensor:
 
 
 def ttt_loss(
-    model, batch: dict[str, torch.Tensor], target_head: torch.Tensor, num_steps: int, percent: float,
+    model, batch: dict[str, torch.Tensor], draft_head: torch.Tensor, num_steps: int, percent: float,
     reading: str = "paper",
 ) -> BatchResult:
-    """Training-time-test loss of one batch (see the module docstring for the alignment)."""
-    device = target_head.device
+    """Training-time-test loss of one batch (see the module docstring for the alignment).
+    ``draft_head`` holds the target's ``lm_head`` rows of the draft vocabulary, in draft-id order."""
+    device = draft_head.device
     schedule = READINGS[reading]
     ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
     features = batch["aux"].to(device).float()
     with torch.no_grad():
-        used = torch.nonzero(model.t2d).flatten()
-        draft_logits = batch["final"].to(device).float() @ target_head[used].T  # [B, T, V_draft]
+        draft_logits = batch["final"].to(device).float() @ draft_head.T  # the target's, over the draft vocabulary
         soft = torch.softmax(draft_logits, -1)
         target_argmax = batch["target_argmax"].to(device)
         in_draft_vocab = model.t2d[target_argmax.clamp(min=0)] & (target_argmax >= 0)
@@ -135,7 +135,7 @@ def _rng_state() -> dict:
 def train(
     model,
     shards: list[Path],
-    target_head: torch.Tensor,
+    draft_head: torch.Tensor,
     recipe: Recipe,
     out_dir: Path,
     save_checkpoint,
@@ -168,7 +168,7 @@ def train(
         bar = tqdm(iterate_batches(shards, recipe.batch_size, generator), desc=f"epoch {epoch + 1}/{recipe.epochs}",
                    unit="batch")
         for batch in bar:
-            result = ttt_loss(model, batch, target_head, steps, percent, recipe.reading)
+            result = ttt_loss(model, batch, draft_head, steps, percent, recipe.reading)
             optimizer.zero_grad()
             result.loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, recipe.grad_clip)
