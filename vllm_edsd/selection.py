@@ -44,30 +44,96 @@ def matrix_entropy(z: torch.Tensor) -> float:
     return _spectral_entropy(torch.linalg.eigvalsh(z.T @ z))
 
 
-def curvature_score(sequences: list[torch.Tensor]) -> float:
-    """π minus the mean angle between consecutive steps of each token trajectory."""
-    angles = []
-    for z in sequences:
+class Curvature:
+    """Running mean angle between consecutive steps of token trajectories (one sequence at a time)."""
+
+    def __init__(self) -> None:
+        self.total, self.count = 0.0, 0
+
+    def add(self, z: torch.Tensor) -> None:
         if len(z) < 3:
-            continue
+            return
         v = z.double().diff(dim=0)
         cos = torch.nn.functional.cosine_similarity(v[:-1], v[1:], dim=-1).clamp(-1, 1)
-        angles.append(torch.arccos(cos))
-    if not angles:
-        raise ValueError("curvature needs sequences of at least 3 tokens")
-    return math.pi - float(torch.cat(angles).mean())
+        self.total += float(torch.arccos(cos).sum())
+        self.count += len(cos)
+
+    def score(self) -> float:
+        """π minus the mean angle (higher: straighter trajectories)."""
+        if not self.count:
+            raise ValueError("curvature needs sequences of at least 3 tokens")
+        return math.pi - self.total / self.count
+
+
+def curvature_score(sequences: list[torch.Tensor]) -> float:
+    """π minus the mean angle between consecutive steps of each token trajectory."""
+    curvature = Curvature()
+    for z in sequences:
+        curvature.add(z)
+    return curvature.score()
+
+
+class ClassScatter:
+    """Between- and within-class covariance for LiDAR, one class at a time: two D×D sums,
+    whatever the number of classes."""
+
+    def __init__(self, d: int) -> None:
+        self.classes = 0
+        self.mean_sum = torch.zeros(d, dtype=torch.float64)
+        self.mean_outer = torch.zeros(d, d, dtype=torch.float64)
+        self.within_sum = torch.zeros(d, d, dtype=torch.float64)
+
+    def add(self, members: torch.Tensor) -> None:
+        """One class: (copies × D) pooled representations."""
+        members = members.double()
+        mean = members.mean(0)
+        centred = members - mean
+        self.within_sum += centred.T @ centred / (len(members) - 1)
+        self.mean_sum += mean
+        self.mean_outer += torch.outer(mean, mean)
+        self.classes += 1
+
+    def lidar(self) -> float:
+        """Effective rank of the LDA matrix."""
+        n, d = self.classes, len(self.mean_sum)
+        sigma_w = self.within_sum / n
+        mu = self.mean_sum / n
+        sigma_b = (self.mean_outer - n * torch.outer(mu, mu)) / (n - 1) if n > 1 else torch.zeros(d, d, dtype=torch.float64)
+        delta = 1e-4 * float(torch.trace(sigma_w)) / d + 1e-8
+        eigval, eigvec = torch.linalg.eigh(sigma_w + delta * torch.eye(d, dtype=torch.float64))
+        inv_sqrt = eigvec @ torch.diag(eigval.clamp(min=1e-12).rsqrt()) @ eigvec.T
+        return math.exp(_spectral_entropy(torch.linalg.eigvalsh(inv_sqrt @ sigma_b @ inv_sqrt)))
 
 
 def lidar(classes: list[torch.Tensor]) -> float:
     """Effective rank of the LDA matrix; ``classes[i]`` is (copies × D) pooled representations."""
-    means = torch.stack([c.double().mean(0) for c in classes])
-    d = means.shape[1]
-    sigma_b = torch.cov(means.T) if len(classes) > 1 else torch.zeros(d, d, dtype=torch.float64)
-    sigma_w = torch.stack([torch.cov(c.double().T) for c in classes]).mean(0)
-    delta = 1e-4 * float(torch.trace(sigma_w)) / d + 1e-8
-    eigval, eigvec = torch.linalg.eigh(sigma_w + delta * torch.eye(d, dtype=torch.float64))
-    inv_sqrt = eigvec @ torch.diag(eigval.clamp(min=1e-12).rsqrt()) @ eigvec.T
-    return math.exp(_spectral_entropy(torch.linalg.eigvalsh(inv_sqrt @ sigma_b @ inv_sqrt)))
+    scatter = ClassScatter(classes[0].shape[1])
+    for members in classes:
+        scatter.add(members)
+    return scatter.lidar()
+
+
+class LayerStatistics:
+    """Everything EDSelect needs of one layer, fed one calibration sequence (with its perturbed
+    copies) at a time: two D×D matrices and at most ``token_budget`` sampled token states, so
+    memory does not grow with the number of sequences."""
+
+    def __init__(self, d: int, token_budget: int) -> None:
+        self.curvature, self.scatter = Curvature(), ClassScatter(d)
+        self.tokens: list[torch.Tensor] = []
+        self.token_budget = token_budget
+
+    def add(self, variants: torch.Tensor, picks: torch.Tensor) -> None:
+        """``variants`` [1 + copies, T, D]: the sequence first; ``picks``: its token indices kept
+        for the matrix entropy."""
+        self.curvature.add(variants[0])
+        self.scatter.add(variants.double().mean(1))
+        kept = sum(len(t) for t in self.tokens)
+        self.tokens.append(variants[0, picks[: max(0, self.token_budget - kept)]].float())
+
+    def scores(self) -> dict[str, float]:
+        return {"curvature": self.curvature.score(), "lidar": self.scatter.lidar(),
+                "matrix_entropy": matrix_entropy(torch.cat(self.tokens))}
 
 
 def perturb(ids: torch.Tensor, vocab_size: int, generator: torch.Generator, rate: float = PERTURB_RATE) -> torch.Tensor:

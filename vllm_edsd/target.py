@@ -46,17 +46,25 @@ class TargetOutputs:
     """Per-token target outputs for a batch [B, T]."""
 
     aux: dict[int, torch.Tensor]  # vLLM layer id -> [B, T, d_t]
-    logits: torch.Tensor  # [B, T, V]
-    final_hidden: torch.Tensor  # [B, T, d_t]: the lm_head's input, logits = lm_head(final_hidden)
+    logits: torch.Tensor | None  # [B, T, V]; None when the forward stopped at the last aux layer
+    final_hidden: torch.Tensor | None  # [B, T, d_t]: the lm_head's input, logits = lm_head(final_hidden)
 
     def features(self, layer_ids: tuple[int, ...]) -> torch.Tensor:
         """Concatenation in ascending id order, as vLLM's runner concatenates them."""
         return torch.cat([self.aux[i] for i in sorted(layer_ids)], -1)
 
 
+class _Captured(Exception):
+    """Raised by a capture hook to end a forward once everything asked for is captured."""
+
+
 @torch.no_grad()
-def run_target(model, input_ids: torch.Tensor, layer_ids: tuple[int, ...], attention_mask: torch.Tensor | None = None) -> TargetOutputs:
-    """Forward the target once, capturing the residual stream at each requested id."""
+def run_target(
+    model, input_ids: torch.Tensor, layer_ids: tuple[int, ...], attention_mask: torch.Tensor | None = None,
+    *, outputs: bool = True,
+) -> TargetOutputs:
+    """Forward the target once, capturing the residual stream at each requested id.
+    ``outputs=False`` stops the forward at the highest requested id: no later layers, no logits."""
     decoder = decoder_of(model)
     n = len(decoder.layers)
     bad = [i for i in layer_ids if not 0 <= i <= n]
@@ -64,23 +72,31 @@ def run_target(model, input_ids: torch.Tensor, layer_ids: tuple[int, ...], atten
         raise EDSDError(f"layer ids {bad} do not exist in a target with {n} layers (valid: 0..{n})")
     captured: dict[int, torch.Tensor] = {}
     hooks = []
+    last = max(layer_ids) if layer_ids else None
 
     def capture(layer_id: int):
         def hook(_module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             captured[layer_id] = hidden.detach()
+            if not outputs and layer_id == last:
+                raise _Captured
 
         return hook
 
     for layer_id in set(layer_ids):
         module = decoder.norm if layer_id == n else decoder.layers[layer_id]
         hooks.append(module.register_forward_pre_hook(capture(layer_id), with_kwargs=True))
-    hooks.append(model.get_output_embeddings().register_forward_pre_hook(capture(-1), with_kwargs=True))
+    if outputs:
+        hooks.append(model.get_output_embeddings().register_forward_pre_hook(capture(-1), with_kwargs=True))
     try:
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except _Captured:
+        out = None
     finally:
         for h in hooks:
             h.remove()
+    if out is None:
+        return TargetOutputs(aux=captured, logits=None, final_hidden=None)
     final_hidden = captured.pop(-1)
     return TargetOutputs(aux=captured, logits=out.logits.float(), final_hidden=final_hidden)
 
