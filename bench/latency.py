@@ -96,16 +96,16 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def run_rate(base: str, prompts: list[list[dict]], qps: float, num_requests: int, max_users: int, max_tokens: int,
-             workdir: Path) -> dict:
-    """One locust run of ``num_requests`` Poisson arrivals at ``qps``; the row's latency numbers."""
-    arrivals = poisson_schedule(qps, num_requests)
-    plan = {"arrivals_s": arrivals, "messages": [prompts[i % len(prompts)] for i in range(num_requests)],
-            "max_tokens": max_tokens, "start_lead_s": START_LEAD_S, "request_timeout_s": DRAIN_S}
-    plan_file, records_file, log_file = (workdir / f"qps{qps}.{ext}" for ext in ("plan.json", "jsonl", "locust.log"))
+def run_locust(base: str, messages: list[list[dict]], arrivals: list[float], max_tokens: int, max_users: int,
+               workdir: Path, name: str) -> list[dict]:
+    """Send ``messages[i]`` at ``arrivals[i]`` (open loop) with locust in its own process; the
+    raw record of every request that ended (see the locustfile), in no particular order."""
+    plan = {"arrivals_s": arrivals, "messages": messages, "max_tokens": max_tokens, "start_lead_s": START_LEAD_S,
+            "request_timeout_s": DRAIN_S}
+    plan_file, records_file, log_file = (workdir / f"{name}.{ext}" for ext in ("plan.json", "jsonl", "locust.log"))
     plan_file.write_text(json.dumps(plan))
     records_file.unlink(missing_ok=True)
-    users = min(num_requests, max_users)
+    users = min(len(arrivals), max_users)
     run_time = math.ceil(START_LEAD_S + 1 + arrivals[-1] + DRAIN_S)  # hard limit; normally the last request ends it
     env = {**os.environ, "EDSD_BENCH_PLAN": str(plan_file), "EDSD_BENCH_RECORDS": str(records_file)}
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base,
@@ -115,7 +115,15 @@ def run_rate(base: str, prompts: list[list[dict]], qps: float, num_requests: int
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=run_time + 120)
     if proc.returncode != 0:
         raise EDSDError(f"locust exited with status {proc.returncode}:\n{log_file.read_text()[-4000:]}")
-    return {"qps": qps, "users": users, **aggregate(read_records(records_file), num_requests)}
+    return read_records(records_file)
+
+
+def run_rate(base: str, prompts: list[list[dict]], qps: float, num_requests: int, max_users: int, max_tokens: int,
+             workdir: Path) -> dict:
+    """One locust run of ``num_requests`` Poisson arrivals at ``qps``; the row's latency numbers."""
+    messages = [prompts[i % len(prompts)] for i in range(num_requests)]
+    records = run_locust(base, messages, poisson_schedule(qps, num_requests), max_tokens, max_users, workdir, f"qps{qps}")
+    return {"qps": qps, "users": min(num_requests, max_users), **aggregate(records, num_requests)}
 
 
 def warm_up(base: str) -> None:

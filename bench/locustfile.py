@@ -32,29 +32,36 @@ def start_clock(**_kwargs) -> None:
     state["t0"] = time.perf_counter() + PLAN["start_lead_s"]
 
 
+def chunk_token_ids(event: dict) -> list[int]:
+    return [t for c in event.get("choices", ()) for t in c.get("token_ids") or ()]
+
+
 def chunk_tokens(event: dict) -> int:
     """Output tokens in one chunk: its token ids, or 1 for text when the server sends no ids."""
-    return sum(len(c.get("token_ids") or ()) or bool(c["delta"].get("content")) for c in event.get("choices", ()))
+    return len(chunk_token_ids(event)) or sum(bool(c["delta"].get("content")) for c in event.get("choices", ()))
 
 
 def read_stream(lines, start: float) -> dict:
-    """Token-bearing chunks as [seconds since ``start``, tokens], output tokens and error (None if ok)."""
-    chunks, usage_tokens = [], None
+    """Token-bearing chunks as [seconds since ``start``, tokens], output tokens, the output's
+    token ids (what a soak compares) and error (None if ok)."""
+    chunks, usage_tokens, token_ids = [], None, []
     for line in lines:
         arrived = time.perf_counter() - start
         if not line.startswith(b"data: "):
             continue
         if line == b"data: [DONE]":
             tokens = usage_tokens if usage_tokens is not None else sum(n for _, n in chunks)
-            return {"chunks": chunks, "output_tokens": tokens, "error": None}
+            return {"chunks": chunks, "output_tokens": tokens, "token_ids": token_ids, "error": None}
         event = json.loads(line[6:])
         if "error" in event:
-            return {"chunks": chunks, "output_tokens": 0, "error": f"stream error: {event['error'].get('type')}"}
+            return {"chunks": chunks, "output_tokens": 0, "token_ids": token_ids,
+                    "error": f"stream error: {event['error'].get('type')}"}
         if event.get("usage"):
             usage_tokens = event["usage"]["completion_tokens"]
+        token_ids += chunk_token_ids(event)
         if n := chunk_tokens(event):
             chunks.append([arrived, n])
-    return {"chunks": chunks, "output_tokens": 0, "error": "truncated stream (no [DONE])"}
+    return {"chunks": chunks, "output_tokens": 0, "token_ids": token_ids, "error": "truncated stream (no [DONE])"}
 
 
 class ChatUser(HttpUser):

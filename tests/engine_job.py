@@ -2,7 +2,7 @@
 
 Engine tests describe a job (target, speculative config, engine options, and phases of
 prompts + sampling parameters); this script builds the engine once, runs the phases in
-order and writes token ids, vLLM's spec-decode counters per phase and, on request, the
+order and writes token ids, vLLM's spec-decode counters and preemptions per phase and, on request, the
 draft tokens the drafter proposed (read out of the worker with ``collective_rpc``).
 A separate process per engine keeps engines from sharing memory or state between tests
 and turns an engine crash into a readable test failure.
@@ -39,6 +39,11 @@ def _take_recorded(worker) -> list:
     return recorded
 
 
+def preemptions(llm) -> int:
+    """How often the scheduler has preempted a request (its KV cache ran out) so far."""
+    return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
 def main(job_path: str, out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -55,7 +60,7 @@ def main(job_path: str, out_path: str) -> None:
         record = phase.get("record_proposals", False)
         if record:
             llm.collective_rpc(_install_recorder)
-        before = spec_counters(llm)
+        before, preempted_before = spec_counters(llm), preemptions(llm)
         outputs, proposals = [], []
         # Recorded proposals are attributed to a prompt by running prompts one at a time.
         one_at_a_time = record or phase.get("one_at_a_time", False)
@@ -67,6 +72,7 @@ def main(job_path: str, out_path: str) -> None:
             "outputs": outputs,
             "counters": (spec_counters(llm) - before).as_dict(),
             "proposals": proposals,
+            "preemptions": preemptions(llm) - preempted_before,
         }
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -59,6 +59,25 @@ def test_converts_and_summarises(models, training_ckpt, tmp_path, capsys):
     assert not any(n.startswith(("edfuse.gate_proj", "edfuse.up_proj")) for n in names)
 
 
+SIDE_TENSORS = {"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(32), "midlayer.self_attn.k_proj.k_scale": torch.tensor(0.5),
+                "midlayer.self_attn.v_proj.v_scale": torch.tensor(0.25)}
+
+
+def test_rope_caches_are_dropped_and_kv_scales_kept(models, training_ckpt, tmp_path, capsys):
+    """Exporters write RoPE caches and KV-cache scales beside the weights, and vLLM's own
+    loaders accept both: conversion drops the caches (every reader recomputes them), keeps
+    the scales for vLLM, and the reference model loads either file."""
+    src = edited_copy(training_ckpt, tmp_path / "src", edit_tensors=lambda t: t.update(SIDE_TENSORS))
+    code, _, err = run_convert(capsys, src, tmp_path / "out", "--target", models["llama"])
+    assert code == 0, err
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert "midlayer.self_attn.rotary_emb.inv_freq" not in out
+    assert out["midlayer.self_attn.k_proj.k_scale"].item() == 0.5 and out["midlayer.self_attn.v_proj.v_scale"].item() == 0.25
+    embed = load_target(models["llama"]).model.embed_tokens.weight
+    with_side, without = (EDSDDraftModel.from_pretrained(path, embed_tokens=embed).state_dict() for path in (src, training_ckpt))
+    assert with_side.keys() == without.keys() and all(torch.equal(with_side[k], without[k]) for k in without)
+
+
 def test_layer_output_convention_shifts_ids(training_ckpt, tmp_path, capsys):
     def specforge(cfg):
         cfg["edsd_config"]["aux_layer_ids"] = [0, 2]
@@ -203,6 +222,8 @@ BAD_INPUTS = {
     "llama3 rope incomplete": ({"config": lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
                                                                              "factor": 8.0})},
                                "llama3 RoPE needs 'low_freq_factor' as a positive number, got missing"),
+    "weight-quantization tensor": ({"tensors": lambda t: t.update({"midlayer.mlp.down_proj.weight_scale": torch.ones(1)})},
+                                   "a weight-quantization tensor: quantized EDSD drafters are not supported"),
     "linear rope factor": ({"config": lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": "x"})},
                            "linear RoPE needs 'factor' as a positive number, got 'x'"),
 }

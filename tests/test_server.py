@@ -14,18 +14,25 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import PROMPTS, simulate_constant_drafter
+from conftest import FITTED_TOKENS, assert_counters_match, processes_with, serve_fitted
+from vllm_edsd.acceptance import predict
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.serving.engine import parse_prometheus_counters
 from vllm_edsd.serving.server import running_server
+from vllm_edsd.target import load_target
+
+
+K = 4
+SERVER_ARGS = ["--served-model-name", "toy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    spec = {"method": "edsd", "model": models["llama-edsd-constant"], "num_speculative_tokens": 4}
-    args = ["--served-model-name", "toy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
+def server(trained, tmp_path_factory):
+    """The fitted target with the trained EDSD drafter, converted with its token norm folded."""
+    spec = {"method": "edsd", "model": trained["edsd-folded"], "num_speculative_tokens": K}
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(models["llama"], spec, extra_args=args, log_path=log) as base:
+    with running_server(trained["target"], spec, extra_args=SERVER_ARGS, log_path=log) as base:
         yield base
 
 
@@ -33,18 +40,31 @@ def counters(base: str):
     return parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
 
 
-def test_completion_is_lossless_and_counts_are_exact(server, models, baseline):
-    before = counters(server)
-    body = {"model": "toy", "prompt": PROMPTS, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+def completion_token_ids(base: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions of token-id prompts, as token ids, in prompt order."""
+    body = {"model": "toy", "prompt": prompts, "max_tokens": FITTED_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_tokens_as_token_ids": True, "logprobs": 1}
-    reply = requests.post(f"{server}/v1/completions", json=body, timeout=300).json()
-    choices = sorted(reply["choices"], key=lambda c: c["index"])
-    outputs = [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
-    assert outputs == baseline("llama")
+    choices = sorted(requests.post(f"{base}/v1/completions", json=body, timeout=300).json()["choices"],
+                     key=lambda c: c["index"])
+    return [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
+
+
+def predicted_counters(trained: dict, outputs: list[list[int]]):
+    """What the reference model, loaded from the unfolded conversion, predicts for these outputs."""
+    target = load_target(trained["target"])
+    drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
+    return predict(drafter, target, list(zip(trained["prompts"], outputs)), K)
+
+
+def test_completion_is_lossless_and_counts_match_the_reference(server, trained, engine_runs):
+    """Served output is the target's own, and /metrics counts what the reference drafter
+    predicts: a folded drafter whose drafts depend on every weight, accepted often."""
+    before = counters(server)
+    outputs = completion_token_ids(server, trained["prompts"])
+    assert outputs == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
     grown = counters(server) - before
-    drafts, per_pos = simulate_constant_drafter(outputs, models["constant_token"], 4)
-    assert (grown.drafts, grown.draft_tokens, grown.accepted_per_pos) == (drafts, 4 * drafts, per_pos)
-    assert grown.accepted == sum(per_pos) > 0
+    assert grown.draft_tokens == K * grown.drafts
+    assert_counters_match(predicted_counters(trained, outputs), grown.as_dict())
 
 
 def test_streaming_completion_matches_non_streaming(server):
@@ -74,38 +94,22 @@ def test_chat_completions(server):
     assert "".join(pieces) == text
 
 
-def test_data_parallel_2(models, baseline, tmp_path):
-    """Two engine cores behind one server (``--data-parallel-size 2``), each drafting."""
-    spec = {"method": "edsd", "model": models["llama-edsd-constant"], "num_speculative_tokens": 4}
-    args = ["--served-model-name", "toy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-            "--data-parallel-size", "2"]
-    with running_server(models["llama"], spec, extra_args=args, log_path=tmp_path / "dp.log",
-                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
-        body = {"model": "toy", "prompt": PROMPTS, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
-                "return_tokens_as_token_ids": True, "logprobs": 1}
-        choices = sorted(requests.post(f"{base}/v1/completions", json=body, timeout=300).json()["choices"],
-                         key=lambda c: c["index"])
+def test_data_parallel_2(trained, engine_runs, tmp_path):
+    """Two engine cores behind one server (``--data-parallel-size 2``), each drafting, the
+    counters of both together what the reference predicts."""
+    spec = {"method": "edsd", "model": trained["edsd-folded"], "num_speculative_tokens": K}
+    with running_server(trained["target"], spec, extra_args=[*SERVER_ARGS, "--data-parallel-size", "2"],
+                        log_path=tmp_path / "dp.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
+        outputs = completion_token_ids(base, trained["prompts"])
         metrics = requests.get(f"{base}/metrics", timeout=10).text
-    assert [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices] == baseline("llama")
+    assert outputs == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
     drafting_engines = {
         line.split('engine="', 1)[1].split('"', 1)[0]
         for line in metrics.splitlines()
         if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0
     }
     assert drafting_engines == {"0", "1"}
-
-
-def _processes_with(marker: str) -> list[int]:
-    """Pids of processes whose environment holds ``marker`` (vLLM's spawned engine processes
-    inherit the server's environment, not its command line)."""
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker.encode() in (proc / "environ").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
+    assert_counters_match(predicted_counters(trained, outputs), parse_prometheus_counters(metrics).as_dict())
 
 
 def _interrupt_when_logged(log: Path, text: str, done: threading.Event) -> None:
@@ -141,9 +145,9 @@ def test_server_interrupted_during_start_up_leaves_no_engine_process(models, tmp
 
 def _gone_within(marker: str, limit_s: float) -> bool:
     deadline = time.time() + limit_s
-    while _processes_with(marker) and time.time() < deadline:
+    while processes_with(marker) and time.time() < deadline:
         time.sleep(0.5)
-    return _processes_with(marker) == []
+    return processes_with(marker) == []
 
 
 def test_server_start_up_time_out_is_one_clear_error(models, tmp_path):

@@ -11,8 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import PROMPTS, assert_drafts_match, greedy_phase, simulate_constant_drafter
+from conftest import (PROMPTS, assert_counters_match, assert_drafts_match, edited_copy, greedy_phase, serve_fitted,
+                      simulate_constant_drafter)
 from specforge_layout import specforge_chains
+from vllm_edsd.acceptance import predict
 from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS
 from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.target import load_target, run_target
@@ -43,6 +45,19 @@ def test_greedy_output_identical_with_edsd(eager_run, baseline):
     assert counters["drafts"] > 0 and counters["draft_tokens"] == K * counters["drafts"]
 
 
+def test_drafter_with_rope_cache_and_kv_scales_serves_the_same(models, engine_runs, eager_run, tmp_path_factory):
+    """RoPE caches and KV-cache scales beside the weights (exporters write them; vLLM's EAGLE-3
+    loader takes them): the drafter loads, and with an unquantized KV cache drafts exactly
+    what it drafts without them."""
+    side = {"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(32), "midlayer.self_attn.k_proj.k_scale": torch.tensor(1.0),
+            "midlayer.self_attn.v_proj.v_scale": torch.tensor(1.0)}
+    drafter = edited_copy(models["llama-edsd"], tmp_path_factory.mktemp("side-tensors") / "drafter",
+                          edit_tensors=lambda t: t.update(side))
+    job = {"target": models["llama"], "speculative_config": edsd(str(drafter)),
+           "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": [greedy_phase()]}
+    assert engine_runs("llama-edsd-side-tensors", job)["phases"] == eager_run["phases"]
+
+
 PARITY_PROMPTS, PARITY_TOKENS = PROMPTS[:3], 32
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
@@ -56,13 +71,25 @@ def test_drafts_match_reference_model(models, parity_drafters, engine_runs, base
     converted from (SpecForge's for RMSNorm, this project's training layout for LayerNorm) and,
     for SpecForge's, also SpecForge's own forward; the output is the target's own."""
     served, source = parity_drafters[norm, folded]
+    check_parity(models, engine_runs, baseline, served, source, f"parity-{norm}-{folded}-tp{tp}", tp,
+                 specforge=norm == RMSNORM)
+
+
+def test_llama3_rope_drafts_match_reference_model(models, parity_drafters, engine_runs, baseline):
+    """A drafter with Llama-3.1's RoPE scaling (vLLM's ``Llama3RotaryEmbedding``) drafts what
+    the reference's llama3 frequencies draft."""
+    served, source = parity_drafters["llama3-rope"]
+    check_parity(models, engine_runs, baseline, served, source, "parity-llama3-rope", 1, specforge=False)
+
+
+def check_parity(models, engine_runs, baseline, served: str, source: str, key: str, tp: int, specforge: bool) -> None:
     job = {
         "target": models["llama"],
         "speculative_config": edsd(served),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32", "tensor_parallel_size": tp},
         "phases": [greedy_phase("parity", PARITY_PROMPTS, max_tokens=PARITY_TOKENS, record_proposals=True)],
     }
-    phase = engine_runs(f"parity-{norm}-{folded}-tp{tp}", job, env=TP2_ENV if tp == 2 else None)["phases"]["parity"]
+    phase = engine_runs(key, job, env=TP2_ENV if tp == 2 else None)["phases"]["parity"]
     assert phase["outputs"] == [out[:PARITY_TOKENS] for out in baseline("llama")[:3]]
     target = load_target(models["llama"])
     drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
@@ -71,7 +98,7 @@ def test_drafts_match_reference_model(models, parity_drafters, engine_runs, base
     def chains_for(sequence):
         features = run_target(target, sequence, layers).features(layers)[:, :-1]
         chains = drafter.propose(features, sequence[:, 1:], K)
-        if norm == RMSNORM:
+        if specforge:
             checkpoint = {n: t for f in sorted(Path(source).glob("model*.safetensors")) for n, t in load_file(f).items()}
             config = json.loads((Path(source) / "config.json").read_text())
             embed = target.model.embed_tokens.weight
@@ -113,17 +140,15 @@ def test_tensor_parallel_2(models, engine_runs, baseline):
     assert (phase["counters"]["drafts"], phase["counters"]["accepted_per_pos"]) == (drafts, per_pos)
 
 
-def test_compiled_engine(models, engine_runs, baseline):
-    """The drafter is compiled like vLLM's EAGLE-3 model (``support_torch_compile``)."""
-    job = {
-        "target": models["llama"],
-        "speculative_config": edsd(models["llama-edsd"]),
-        "llm_kwargs": {"enforce_eager": False, "dtype": "float32"},
-        "phases": [greedy_phase()],
-    }
-    phase = engine_runs("llama-edsd-compiled", job)["phases"]["greedy"]
-    assert phase["outputs"] == baseline("llama")
-    assert phase["counters"]["drafts"] > 0
+def test_compiled_engine(trained, engine_runs):
+    """The drafter is compiled like vLLM's EAGLE-3 model (``support_torch_compile``); the
+    compiled drafter's acceptance is what the reference predicts, not just any."""
+    spec = edsd(trained["edsd"])
+    run = serve_fitted(trained, engine_runs, "fitted-edsd-compiled", spec, eager=False)
+    assert run["outputs"] == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
+    target = load_target(trained["target"])
+    drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
+    assert_counters_match(predict(drafter, target, list(zip(trained["prompts"], run["outputs"])), K), run["counters"])
 
 
 SAMPLED = {"temperature": 0.8, "max_tokens": 32, "ignore_eos": True}

@@ -28,7 +28,7 @@ from torch import nn
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import LAYERNORM, EDSDConfig
 from vllm_edsd.formats.files import SAFETENSORS, cast_floating, iter_tensors, save_safetensors, tensor_shapes
-from vllm_edsd.formats.layouts import EDSD_TRAINING, Layout, check_tensors, read_drafter_config
+from vllm_edsd.formats.layouts import EDSD_TRAINING, Layout, check_tensors, is_side_tensor, read_drafter_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -250,7 +250,8 @@ class EDSDDraftModel(DraftHead):
     def load_tensors(self, tensors: dict[str, torch.Tensor], layout: Layout, *, source: str) -> None:
         """Load a checkpoint's tensors (``layout``'s names); every parameter exactly once."""
         check_tensors(self.config, {k: tuple(v.shape) for k, v in tensors.items()}, layout, source=source)
-        self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(tensors)})
+        weights = {k: v for k, v in tensors.items() if not is_side_tensor(k)}  # RoPE caches, KV scales: not weights here
+        self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(weights)})
 
     def save_pretrained(self, path: str | Path, *, layout: Layout = EDSD_TRAINING, dtype: str | None = None) -> None:
         """Write ``config.json`` and ``model.safetensors`` in ``layout`` (training or vLLM)."""

@@ -23,7 +23,7 @@ from vllm_edsd import __version__
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import LAYER_ID_CONVENTIONS, SUPPORTED_DTYPES, EDSDConfig, TargetFingerprint, read_config_json
 from vllm_edsd.formats.files import SAFETENSORS, atomic_directory, cast_floating, iter_tensors, save_safetensors, tensor_shapes
-from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, Layout, check_tensors, detect_layout
+from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, ROPE_CACHES, Layout, check_tensors, detect_layout
 from vllm_edsd.reference import DTYPES, token_norm
 
 TOKEN_NORM_PREFIX = "edfuse.token_norm."
@@ -214,6 +214,8 @@ def convert(
 
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in (progress or (lambda it, n: it))(iter_tensors(src), len(shapes)):
+        if name.endswith(ROPE_CACHES):
+            continue  # recomputed from the config by every reader
         if name not in ("d2t", "t2d"):
             if not tensor.is_floating_point():
                 raise EDSDError(f"{source}: tensor '{name}' has dtype {tensor.dtype}; weights must be floating point")

@@ -16,6 +16,8 @@ its tensor names. Tensor names are mapped to the *canonical* names (the paramete
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +183,27 @@ def read_drafter_config(path: str | Path, tensor_names: Iterable[str] = ()) -> t
     return layout, layout.read_config(raw, source=source)
 
 
+# Tensors exporters write beside the weights: RoPE caches (never read; vLLM's loaders drop them)
+# and KV-cache quantization scales (vLLM loads them when the drafter's KV cache is quantized).
+ROPE_CACHES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+KV_SCALE = re.compile(r"\.(q|k|v|kv)_scale$")
+_QUANTIZATION_SUFFIXES = ("_scale", "_zero_point", ".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+def is_side_tensor(name: str) -> bool:
+    """Accepted beside the drafter's weights, never required: a RoPE cache or a KV-cache scale."""
+    return name.endswith(ROPE_CACHES) or KV_SCALE.search(name) is not None
+
+
+def unexpected_hint(name: str) -> str:
+    """What an unexpected tensor most likely is, said so that a user can act on it."""
+    if name.endswith(_QUANTIZATION_SUFFIXES):
+        return " (a weight-quantization tensor: quantized EDSD drafters are not supported; serve an unquantized one)"
+    if name == "midlayer.hidden_norm.weight":
+        return " (midlayer.hidden_norm belongs to EAGLE-3 and SpecForge drafters, not to this layout)"
+    return ""
+
+
 def check_tensors(cfg: EDSDConfig, shapes: Mapping[str, tuple[int, ...]], layout: Layout, *, source: str) -> None:
     """Refuse a checkpoint whose tensor names or shapes do not fit ``cfg``, naming the tensor
     as the checkpoint names it. The shared embedding is optional unless the token norm is
@@ -188,16 +211,15 @@ def check_tensors(cfg: EDSDConfig, shapes: Mapping[str, tuple[int, ...]], layout
     from vllm_edsd.reference import expected_shapes  # the model defines the shapes (and imports this module)
 
     expected = layout.rename_from_canonical(expected_shapes(cfg))
+    shapes = {name: shape for name, shape in shapes.items() if not is_side_tensor(name)}
     optional = set() if cfg.token_norm_folded else {"embed_tokens.weight"}
     if cfg.draft_vocab_size == cfg.vocab_size:
         optional |= {"d2t", "t2d"}
     missing = sorted(set(expected) - set(shapes) - optional)
     unexpected = sorted(set(shapes) - set(expected))
     if unexpected:
-        hint = ""
-        if "midlayer.hidden_norm.weight" in unexpected:
-            hint = " (midlayer.hidden_norm belongs to EAGLE-3 and SpecForge drafters, not to this layout)"
-        raise EDSDError(f"{source}: unexpected tensor(s): {', '.join(unexpected)}{hint}")
+        hints = "".join(dict.fromkeys(unexpected_hint(name) for name in unexpected))
+        raise EDSDError(f"{source}: unexpected tensor(s): {', '.join(unexpected)}{hints}")
     if missing:
         raise EDSDError(f"{source}: missing tensor(s): {', '.join(missing)}")
     for name, shape in shapes.items():

@@ -23,7 +23,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLi
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader, maybe_remap_kv_scale_name
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.utils import (WeightsMapper, get_draft_quant_config, maybe_prefix,
@@ -31,7 +31,7 @@ from vllm.model_executor.models.utils import (WeightsMapper, get_draft_quant_con
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import LAYERNORM, EDSDConfig, TargetFingerprint
-from vllm_edsd.formats.layouts import EDSD_VLLM
+from vllm_edsd.formats.layouts import EDSD_VLLM, KV_SCALE, ROPE_CACHES, unexpected_hint
 from vllm_edsd.reference import expected_shapes
 
 # vLLM-layout tensor name -> parameter name; names not listed (``lm_head.*``) keep theirs, and
@@ -185,11 +185,19 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.fc(hidden_states)
 
-    def _checkpoint_to_param(self, name: str) -> tuple[str | None, object]:
-        """(parameter name or None to skip, shard id or None) of a vLLM-layout tensor."""
+    def _checkpoint_to_param(self, name: str, params: dict) -> tuple[str | None, object]:
+        """(parameter name or None to skip, shard id or None) of a vLLM-layout tensor.
+
+        Skipped like vLLM's own loaders skip them: ``t2d``, RoPE caches, and KV-cache scales
+        when the drafter's KV cache is not quantized (vLLM's ``maybe_remap_kv_scale_name``
+        maps them onto the attention layer when it is)."""
+        if name.endswith(ROPE_CACHES):
+            return None, None
         param = _CHECKPOINT_TO_PARAMS.map_name(name)
         if param is None:
             return None, None
+        if KV_SCALE.search(param):
+            return maybe_remap_kv_scale_name(param, params), None
         for unfused, (fused, shard) in _STACKED.items():
             if unfused in param:
                 return param.replace(unfused, fused), shard
@@ -197,16 +205,17 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
-        expected = set(params) - {"model.embed_tokens.weight"}
+        # The attention layer's own parameters are KV-cache scales: optional, 1.0 by default.
+        expected = {n for n in params if ".attn." not in n} - {"model.embed_tokens.weight"}
         if self.draft_id_to_target_id is None:
             expected.discard("draft_id_to_target_id")
         loaded: set[str] = set()
         for name, tensor in weights:
-            param_name, shard = self._checkpoint_to_param(name)
+            param_name, shard = self._checkpoint_to_param(name, params)
             if param_name is None or (name == "d2t" and self.draft_id_to_target_id is None):
                 continue
             if param_name not in params:
-                raise EDSDError(f"EDSD drafter: unexpected tensor '{name}' in checkpoint (run `edsd convert`?)")
+                raise EDSDError(f"EDSD drafter: unexpected tensor '{name}' in checkpoint{unexpected_hint(name)}")
             want = self._shapes.get(name)
             if want is not None and tuple(tensor.shape) != want:
                 raise EDSDError(f"EDSD drafter: tensor '{name}' has shape {list(tensor.shape)}, expected {list(want)}")

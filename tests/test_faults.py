@@ -1,0 +1,70 @@
+"""An EDSD engine pushed to its limits: a KV cache so small that the scheduler must preempt
+running requests, and prompts that end just short of ``max_model_len`` while drafts are in
+flight. Output stays the target's own, nothing crashes, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FITTED_TOKENS, assert_counters_match, greedy_phase, serve_fitted
+from vllm_edsd.acceptance import predict
+from vllm_edsd.reference import EDSDDraftModel
+from vllm_edsd.target import load_target
+
+K = 4
+MAX_MODEL_LEN = 256
+# 20 blocks of 16 tokens hold 320 tokens; the eight requests grow to more than that together,
+# while any one of them fits (vLLM refuses a cache that cannot hold max_model_len).
+SMALL_CACHE = {"block_size": 16, "num_gpu_blocks_override": 20, "max_model_len": MAX_MODEL_LEN}
+EDGE_TOKENS = 16
+
+
+def edge_prompts(trained: dict, plain_outputs: list[list[int]]) -> list[list[int]]:
+    """Prompts 1..6 tokens short of max_model_len (real text: the chats and their replies)."""
+    text = [t for prompt, output in zip(trained["prompts"], plain_outputs) for t in prompt + output]
+    assert len(text) >= MAX_MODEL_LEN
+    return [text[: MAX_MODEL_LEN - short] for short in range(1, 7)]
+
+
+@pytest.fixture(scope="module")
+def runs(trained, engine_runs) -> dict:
+    """The same phases on the small cache without and with EDSD: crowded (eight requests
+    that must preempt), edge (prompts at max_model_len), and crowded again afterwards."""
+    plain_outputs = serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
+    phases = [
+        greedy_phase("crowded", trained["prompts"], max_tokens=FITTED_TOKENS),
+        greedy_phase("edge", edge_prompts(trained, plain_outputs), max_tokens=EDGE_TOKENS),
+        greedy_phase("after", trained["prompts"], max_tokens=FITTED_TOKENS),
+    ]
+    spec = {"method": "edsd", "model": trained["edsd-folded"], "num_speculative_tokens": K}
+    out = {}
+    for name, speculative_config in (("plain", None), ("edsd", spec)):
+        job = {"target": trained["target"], "speculative_config": speculative_config,
+               "llm_kwargs": {"enforce_eager": True, "dtype": "float32", **SMALL_CACHE}, "phases": phases}
+        out[name] = engine_runs(f"faults-{name}", job)["phases"]
+    return {"plain_outputs": plain_outputs, **out}
+
+
+def test_preempted_requests_stay_lossless(trained, runs):
+    """Preemption drops a request's KV cache (drafts included) and recomputes it later; the
+    output is the target's own and the acceptance is what the reference predicts."""
+    crowded = runs["edsd"]["crowded"]
+    assert crowded["preemptions"] > 0, "the cache was large enough: nothing was preempted"
+    assert crowded["outputs"] == runs["plain_outputs"]
+    target = load_target(trained["target"])
+    drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
+    predicted = predict(drafter, target, list(zip(trained["prompts"], crowded["outputs"])), K)
+    assert_counters_match(predicted, crowded["counters"])
+
+
+def test_prompts_at_max_model_len_with_drafts_in_flight(runs):
+    """A request stops at max_model_len however many drafts were proposed past it."""
+    edge = runs["edsd"]["edge"]
+    assert [len(out) for out in edge["outputs"]] == list(range(1, 7))
+    assert edge["outputs"] == runs["plain"]["edge"]["outputs"]
+    assert edge["counters"]["drafts"] > 0
+
+
+def test_engine_keeps_serving_after_faults(runs):
+    assert runs["edsd"]["after"]["outputs"] == runs["plain_outputs"]
+    assert runs["edsd"]["after"]["counters"]["drafts"] > 0
