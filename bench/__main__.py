@@ -100,21 +100,30 @@ def build_setup(args: argparse.Namespace) -> Setup:
     )
 
 
-def run_suites(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace) -> list[dict]:
-    runs: list[dict] = []
-    for suite in suites:
-        if suite == "acceptance":
-            runs += acceptance(setup, (0.0, 1.0))
-        elif suite == "throughput":
-            runs += throughput(setup)
-        elif suite == "robustness":
-            runs += robustness(setup)
-        else:
-            from .latency import latency
+def run_suite(setup: Setup, suite: str, args: argparse.Namespace) -> list[dict]:
+    if suite == "acceptance":
+        return acceptance(setup, (0.0, 1.0))
+    if suite == "throughput":
+        return throughput(setup)
+    if suite == "robustness":
+        return robustness(setup)
+    from .latency import latency
 
-            rates = [float(q) for q in (args.qps or ("1" if args.quick else "0.5,1,2,4")).split(",")]
-            runs += latency(setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)
-    return runs
+    rates = [float(q) for q in (args.qps or ("1" if args.quick else "0.5,1,2,4")).split(",")]
+    return latency(setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)
+
+
+def write_results(out: Path, setup: Setup, args: argparse.Namespace, command: list[str], runs: list[dict],
+                  failed: dict[str, str]) -> dict:
+    """results.json, report.md and the plots of everything measured so far."""
+    results = {"machine": machine(),
+               "config": {"target": setup.target, "drafters": setup.drafters, "methods": setup.methods,
+                          "ks": setup.ks, "quick": args.quick, "command": "python -m bench " + " ".join(command)},
+               "runs": runs, "failed_suites": failed}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "report.md").write_text(render(results))
+    plots(results, out)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,21 +134,26 @@ def main(argv: list[str] | None = None) -> int:
         if missing:  # before any suite runs: nothing is measured and then lost
             raise EDSDError(f"missing {', '.join(missing)}, which the bench needs: pip install 'vllm-edsd[bench]'")
         setup = build_setup(args)
-        runs = run_suites(setup, suites, args)
     except EDSDError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"machine": machine(),
-               "config": {"target": setup.target, "drafters": setup.drafters, "methods": setup.methods,
-                          "ks": setup.ks, "quick": args.quick, "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)},
-               "runs": runs}
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "report.md").write_text(render(results))
-    made = plots(results, out)
+    runs: list[dict] = []
+    failed: dict[str, str] = {}
+    for suite in suites:
+        try:
+            runs += run_suite(setup, suite, args)
+        except Exception as exc:  # an engine that fails to start or dies ends its suite, not the others
+            failed[suite] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            print(f"bench: error: the {suite} suite failed ({failed[suite]}); the other suites go on", file=sys.stderr)
+        # After every suite, so that a later failure or an interrupt loses nothing measured.
+        results = write_results(out, setup, args, sys.argv[1:] if argv is None else argv, runs, failed)
     print(render(results))
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + "".join(f", {p.name}" for p in made))
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'} and the plots")
+    if failed:
+        print(f"bench: error: {len(failed)} suite(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -20,6 +20,8 @@ def render(results: dict) -> str:
            f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}\n\ntarget: `{results['config']['target']}`; "
            f"drafters: " + ", ".join(f"{k} `{v}`" for k, v in results["config"]["drafters"].items())
            + f"\n\ncommand: `{results['config']['command']}`\n"]
+    for suite, reason in results.get("failed_suites", {}).items():
+        out.append(f"\n**The {suite} suite failed** ({reason}); it has no rows below.\n")
     acc = [r for r in runs if r["suite"] == "acceptance"]
     if acc:
         out.append("## Acceptance (batch size 1)\n\nτ = mean acceptance length; speed-up over no speculation in the same run.\n")

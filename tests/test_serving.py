@@ -33,16 +33,40 @@ def eager_run(models, engine_runs) -> dict:
         "speculative_config": edsd(models["llama-edsd"]),
         # float32 like the reference (vLLM on CPU would otherwise pick bfloat16).
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
-        "phases": [greedy_phase()],
+        "phases": [greedy_phase(record_proposals=True)],
     }
     return engine_runs("llama-edsd-eager", job)
 
 
-def test_greedy_output_identical_with_edsd(eager_run, baseline):
-    run = eager_run
-    assert run["phases"]["greedy"]["outputs"] == baseline("llama")
-    counters = run["phases"]["greedy"]["counters"]
-    assert counters["drafts"] > 0 and counters["draft_tokens"] == K * counters["drafts"]
+def reference_chains(target_dir: str, source: str, specforge: bool = False):
+    """``chains_for(sequence)``: the reference model's draft chains after every prefix of a
+    sequence, the model loaded from ``source`` (for a SpecForge checkpoint, checked against
+    SpecForge's own forward too)."""
+    target = load_target(target_dir)
+    drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
+    layers = drafter.config.aux_layer_ids
+
+    def chains_for(sequence):
+        features = run_target(target, sequence, layers).features(layers)[:, :-1]
+        chains = drafter.propose(features, sequence[:, 1:], K)
+        if specforge:
+            checkpoint = {n: t for f in sorted(Path(source).glob("model*.safetensors")) for n, t in load_file(f).items()}
+            config = json.loads((Path(source) / "config.json").read_text())
+            embed = target.model.embed_tokens.weight
+            assert torch.equal(specforge_chains(checkpoint, config, embed, features, sequence[:, 1:], K), chains)
+        return chains[0]
+
+    return chains_for
+
+
+def test_greedy_output_identical_with_edsd(models, eager_run, baseline):
+    """Lossless, and the drafts are the reference model's (loaded from the training checkpoint
+    the served drafter was converted from), not just any drafts."""
+    phase = eager_run["phases"]["greedy"]
+    assert phase["outputs"] == baseline("llama")
+    assert phase["counters"]["draft_tokens"] == K * phase["counters"]["drafts"]
+    chains_for = reference_chains(models["llama"], models["llama-edsd-training"])
+    assert assert_drafts_match(PROMPTS, phase, chains_for, K) >= phase["counters"]["drafts"] > 8 * 8
 
 
 def test_drafter_with_rope_cache_and_kv_scales_serves_the_same(models, engine_runs, eager_run, tmp_path_factory):
@@ -91,20 +115,7 @@ def check_parity(models, engine_runs, baseline, served: str, source: str, key: s
     }
     phase = engine_runs(key, job, env=TP2_ENV if tp == 2 else None)["phases"]["parity"]
     assert phase["outputs"] == [out[:PARITY_TOKENS] for out in baseline("llama")[:3]]
-    target = load_target(models["llama"])
-    drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
-    layers = drafter.config.aux_layer_ids
-
-    def chains_for(sequence):
-        features = run_target(target, sequence, layers).features(layers)[:, :-1]
-        chains = drafter.propose(features, sequence[:, 1:], K)
-        if specforge:
-            checkpoint = {n: t for f in sorted(Path(source).glob("model*.safetensors")) for n, t in load_file(f).items()}
-            config = json.loads((Path(source) / "config.json").read_text())
-            embed = target.model.embed_tokens.weight
-            assert torch.equal(specforge_chains(checkpoint, config, embed, features, sequence[:, 1:], K), chains)
-        return chains[0]
-
+    chains_for = reference_chains(models["llama"], source, specforge)
     assert assert_drafts_match(PARITY_PROMPTS, phase, chains_for, K) >= 3 * 8
     first_tokens = {step[0][0] for recorded in phase["proposals"] for step in recorded}
     assert len(first_tokens) > 5, "the drafts should depend on the drafter's weights, not be constant"
@@ -185,8 +196,9 @@ def test_second_architecture_qwen3(models, engine_runs, baseline):
         "target": models["qwen3"],
         "speculative_config": edsd(models["qwen3-edsd"]),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
-        "phases": [greedy_phase()],
+        "phases": [greedy_phase(record_proposals=True)],
     }
     phase = engine_runs("qwen3-edsd", job)["phases"]["greedy"]
     assert phase["outputs"] == baseline("qwen3")
-    assert phase["counters"]["drafts"] > 0
+    chains_for = reference_chains(models["qwen3"], models["qwen3-edsd"])
+    assert assert_drafts_match(PROMPTS, phase, chains_for, K) >= phase["counters"]["drafts"] > 8 * 8

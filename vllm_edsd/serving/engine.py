@@ -33,6 +33,18 @@ def cpu_dtype() -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
+def use_cpu_workarounds() -> None:
+    """Environment defaults for vLLM's CPU build, set before an engine (or server) starts.
+
+    vLLM 0.32 on CPU cannot load its own ahead-of-time compiled artifacts ("Compiling model
+    again due to a load failure ... 'function' object has no attribute 'finalize_loading'");
+    the failed load can end the worker with a stack overflow in the oneDNN GEMM handler's
+    finaliser (seen here during a benchmark). Compiling without the AOT cache costs nothing,
+    since the cached artifact is never usable. A value the user set is kept."""
+    if on_cpu():
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
 def speculative_config(method: str, model: str | None, k: int, **extra: Any) -> dict | None:
     """The ``speculative_config`` dict for ``method`` in (none, eagle3, edsd, ...)."""
     if method == "none":
@@ -46,6 +58,7 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
     from vllm import LLM
 
     defaults: dict[str, Any] = {"disable_log_stats": False, "seed": 0}
+    use_cpu_workarounds()
     if on_cpu():
         defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=2048, dtype=cpu_dtype())
     defaults.update(kwargs)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.engine import CPU_MEMORY_FRACTION, cpu_dtype, on_cpu
+from vllm_edsd.serving.engine import CPU_MEMORY_FRACTION, cpu_dtype, on_cpu, use_cpu_workarounds
 
 
 def free_port() -> int:
@@ -82,6 +82,7 @@ def running_server(
 ) -> Iterator[str]:
     """Yield the base URL of a healthy server; always terminate it afterwards."""
     port = free_port()
+    use_cpu_workarounds()
     log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")  # kept for error messages
     proc = subprocess.Popen(
         server_command(target, spec, port, extra_args),
