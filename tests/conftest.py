@@ -144,12 +144,12 @@ def serve_fitted(trained: dict, engine_runs, key: str, spec: dict | None, eager:
 def assert_counters_match(predicted, measured: dict) -> None:
     """vLLM's counters equal the reference's prediction up to argmax near-ties that float32
     rounding can flip between the reference and vLLM's kernels: 2% of the drafts per position
-    (the parity tests show the chains themselves agree exactly). Some drafts must be accepted,
-    so a drafter that proposes garbage cannot pass."""
+    (the parity tests show the chains themselves agree exactly). Over 5% of first drafts must
+    be accepted (a random drafter: under 1%), so a drafter that proposes garbage cannot pass."""
     assert predicted.drafts == pytest.approx(measured["drafts"], rel=0.02)
     for p, m in zip(predicted.accepted_per_pos, measured["accepted_per_pos"], strict=True):
         assert abs(p - m) <= 0.02 * measured["drafts"] + 1, (predicted.accepted_per_pos, measured["accepted_per_pos"])
-    assert measured["accepted_per_pos"][0] > 0.1 * measured["drafts"]
+    assert measured["accepted_per_pos"][0] > 0.05 * measured["drafts"]
 
 
 def most_frequent_greedy_token(target_dir: Path, limit: int) -> int:

@@ -36,6 +36,7 @@ def bench_run(models, tmp_path_factory):
 def test_all_suites_and_methods_present(bench_run):
     results = json.loads((bench_run / "results.json").read_text())
     runs = results["runs"]
+    assert results["failed_suites"] == {}
     assert {r["suite"] for r in runs} == {"acceptance", "throughput", "latency", "robustness"}
     for suite in ("acceptance", "throughput", "latency"):
         assert {r["method"] for r in runs if r["suite"] == suite} == {"none", "eagle3", "edsd"}

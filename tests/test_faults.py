@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FITTED_TOKENS, assert_counters_match, greedy_phase, serve_fitted
+from conftest import FITTED_TOKENS, greedy_phase, serve_fitted
 from vllm_edsd.acceptance import predict
 from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.target import load_target
 
 K = 4
 MAX_MODEL_LEN = 256
-# 20 blocks of 16 tokens hold 320 tokens; the eight requests grow to more than that together,
-# while any one of them fits (vLLM refuses a cache that cannot hold max_model_len).
-SMALL_CACHE = {"block_size": 16, "num_gpu_blocks_override": 20, "max_model_len": MAX_MODEL_LEN}
+# 10 blocks of 32 tokens (the CPU attention's block size is a multiple of 32) hold 320 tokens:
+# the eight requests start in about 10 blocks and grow to 19 together, while any one of them
+# fits (vLLM refuses a cache that cannot hold max_model_len).
+SMALL_CACHE = {"block_size": 32, "num_gpu_blocks_override": 10, "max_model_len": MAX_MODEL_LEN}
 EDGE_TOKENS = 16
 
 
@@ -46,15 +47,21 @@ def runs(trained, engine_runs) -> dict:
 
 
 def test_preempted_requests_stay_lossless(trained, runs):
-    """Preemption drops a request's KV cache (drafts included) and recomputes it later; the
-    output is the target's own and the acceptance is what the reference predicts."""
+    """Preemption drops a request's KV cache and its pending drafts and recomputes it later;
+    the output is the target's own, and the counters are the reference's prediction less at
+    most one draft per preemption (the resumed request's first token comes from the
+    recomputation, not from verifying a draft)."""
     crowded = runs["edsd"]["crowded"]
-    assert crowded["preemptions"] > 0, "the cache was large enough: nothing was preempted"
+    preempted, measured = crowded["preemptions"], crowded["counters"]
+    assert preempted > 0, "the cache was large enough: nothing was preempted"
     assert crowded["outputs"] == runs["plain_outputs"]
     target = load_target(trained["target"])
     drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
     predicted = predict(drafter, target, list(zip(trained["prompts"], crowded["outputs"])), K)
-    assert_counters_match(predicted, crowded["counters"])
+    assert predicted.drafts - preempted <= measured["drafts"] <= predicted.drafts
+    for p, m in zip(predicted.accepted_per_pos, measured["accepted_per_pos"], strict=True):
+        assert abs(p - m) <= 0.02 * measured["drafts"] + 1 + preempted  # a lost draft: at most one per position
+    assert measured["accepted_per_pos"][0] > 0.05 * measured["drafts"]
 
 
 def test_prompts_at_max_model_len_with_drafts_in_flight(runs):

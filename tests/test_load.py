@@ -9,6 +9,7 @@ import math
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import requests
@@ -21,8 +22,11 @@ MAX_TOKENS = 64
 SOAK_S = 60  # seconds of arrivals at each rate: at saturation, then twice that
 MAX_USERS = 128
 ABANDONED_TOKENS = 512  # what a client that walks away asked for
-RSS_GROWTH_BOUND_MIB = 256  # the engine's processes, after the soak vs. after warm-up
-ARGS = ["--served-model-name", "bench", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
+RSS_GROWTH_BOUND_MIB = 128  # all the server's processes, over the minute at twice saturation
+ARGS = ["--served-model-name", "bench", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+        # A KV cache of 16k tokens (64 MiB here) rather than a quarter of the machine's memory: the
+        # pages of a large cache are touched bit by bit under load, which would read as growth.
+        "--block-size", "32", "--num-gpu-blocks-override", "512"]
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +55,19 @@ def edsd_server(trained, tmp_path_factory):
         yield base, marker
 
 
-def rss_mib(marker: str) -> float:
-    """Resident memory of every process of the server (API server, engine core, workers)."""
-    total_kib = 0
+def rss_mib(marker: str) -> dict[str, int]:
+    """Resident memory (MiB) of each process of the server (API server, engine core, workers),
+    by process name."""
+    sizes: dict[str, int] = {}
     for pid in processes_with(marker):
         try:
-            status = open(f"/proc/{pid}/status").read()
+            status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        total_kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return total_kib / 1024
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        name = f"{fields['Name'].strip()}[{pid}]"
+        sizes[name] = int(fields.get("VmRSS", "0 kB").split()[0]) // 1024
+    return sizes
 
 
 def metric_sum(base: str, prefixes: tuple[str, ...]) -> float:
@@ -97,8 +104,7 @@ def test_soak_at_and_above_saturation(edsd_server, chats, without_speculation, t
     assert_lossless(records, chats, without_speculation)
     busy_s = max(r["start_s"] + r["e2e_s"] for r in records) - min(r["start_s"] for r in records)
     saturation_qps = burst / busy_s
-    rss_before = rss_mib(marker)
-    report = {"saturation_qps": round(saturation_qps, 2), "rss_after_warm_up_mib": round(rss_before)}
+    report = {"saturation_qps": round(saturation_qps, 2), "rss_mib": {"warm": rss_mib(marker)}}
     for load in (1, 2):
         qps = load * saturation_qps
         n = math.ceil(qps * SOAK_S)
@@ -109,9 +115,13 @@ def test_soak_at_and_above_saturation(edsd_server, chats, without_speculation, t
                                                         "e2e_p99_s", "output_tokens_per_s")}
         assert row["failures"] == 0, row["failure_reasons"]
         assert_lossless(records, chats, without_speculation)
-    report["rss_after_soak_mib"] = round(rss_mib(marker))
+        report["rss_mib"][f"{load}x"] = rss_mib(marker)
     print("soak:", json.dumps(report))
-    assert report["rss_after_soak_mib"] - rss_before <= RSS_GROWTH_BOUND_MIB, report
+    rss = {phase: sum(sizes.values()) for phase, sizes in report["rss_mib"].items()}
+    # The worker's memory grows during its first minute under load (oneDNN and allocator caches
+    # for the batch shapes it meets: +463 MiB on the CI machine) and then levels off; a leak
+    # would go on growing through the minute at twice the load.
+    assert rss["2x"] - rss["1x"] <= RSS_GROWTH_BOUND_MIB, report
     assert settled(base)
 
 

@@ -78,7 +78,7 @@ def test_drafter_with_rope_cache_and_kv_scales_serves_the_same(models, engine_ru
     drafter = edited_copy(models["llama-edsd"], tmp_path_factory.mktemp("side-tensors") / "drafter",
                           edit_tensors=lambda t: t.update(side))
     job = {"target": models["llama"], "speculative_config": edsd(str(drafter)),
-           "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": [greedy_phase()]}
+           "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": [greedy_phase(record_proposals=True)]}
     assert engine_runs("llama-edsd-side-tensors", job)["phases"] == eager_run["phases"]
 
 
