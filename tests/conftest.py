@@ -141,6 +141,18 @@ def serve_fitted(trained: dict, engine_runs, key: str, spec: dict | None, eager:
     return engine_runs(key, job)["phases"]["greedy"]
 
 
+def predicted_counters(trained: dict, outputs: list[list[int]], k: int):
+    """What the reference model, loaded from the unfolded conversion of the trained drafter,
+    predicts for these greedy outputs of ``trained["prompts"]``."""
+    from vllm_edsd.acceptance import predict
+    from vllm_edsd.reference import EDSDDraftModel
+    from vllm_edsd.target import load_target
+
+    target = load_target(trained["target"])
+    drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
+    return predict(drafter, target, list(zip(trained["prompts"], outputs)), k)
+
+
 def assert_counters_match(predicted, measured: dict) -> None:
     """vLLM's counters equal the reference's prediction up to argmax near-ties that float32
     rounding can flip between the reference and vLLM's kernels: 2% of the drafts per position

@@ -4,10 +4,7 @@ output stays lossless, and the acceptance predicted offline equals vLLM's counte
 
 from __future__ import annotations
 
-from conftest import assert_counters_match, serve_fitted
-from vllm_edsd.acceptance import predict
-from vllm_edsd.reference import EDSDDraftModel
-from vllm_edsd.target import load_target
+from conftest import assert_counters_match, predicted_counters, serve_fitted
 from vllm_edsd.toy import toy_corpus
 
 K = 3
@@ -34,10 +31,7 @@ def test_offline_prediction_matches_vllm(models, engine_runs, trained):
     between the reference and vLLM's kernels (the parity test shows chains agree exactly)."""
     run = serve_fitted(trained, engine_runs, "pipeline-edsd",
                        {"method": "edsd", "model": trained["edsd"], "num_speculative_tokens": K})
-    target = load_target(trained["target"])
-    drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
-    predicted = predict(drafter, target, list(zip(trained["prompts"], run["outputs"])), K)
-    assert_counters_match(predicted, run["counters"])
+    assert_counters_match(predicted_counters(trained, run["outputs"], K), run["counters"])
 
 
 def test_regeneration_cache_is_keyed_by_its_inputs(trained, tmp_path):

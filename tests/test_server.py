@@ -14,13 +14,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import FITTED_TOKENS, assert_counters_match, processes_with, serve_fitted
-from vllm_edsd.acceptance import predict
+from conftest import FITTED_TOKENS, assert_counters_match, predicted_counters, processes_with, serve_fitted
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.serving.engine import parse_prometheus_counters
 from vllm_edsd.serving.server import running_server
-from vllm_edsd.target import load_target
 
 
 K = 4
@@ -49,13 +46,6 @@ def completion_token_ids(base: str, prompts: list[list[int]]) -> list[list[int]]
     return [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
 
 
-def predicted_counters(trained: dict, outputs: list[list[int]]):
-    """What the reference model, loaded from the unfolded conversion, predicts for these outputs."""
-    target = load_target(trained["target"])
-    drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
-    return predict(drafter, target, list(zip(trained["prompts"], outputs)), K)
-
-
 def test_completion_is_lossless_and_counts_match_the_reference(server, trained, engine_runs):
     """Served output is the target's own, and /metrics counts what the reference drafter
     predicts: a folded drafter whose drafts depend on every weight, accepted often."""
@@ -64,7 +54,7 @@ def test_completion_is_lossless_and_counts_match_the_reference(server, trained, 
     assert outputs == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
     grown = counters(server) - before
     assert grown.draft_tokens == K * grown.drafts
-    assert_counters_match(predicted_counters(trained, outputs), grown.as_dict())
+    assert_counters_match(predicted_counters(trained, outputs, K), grown.as_dict())
 
 
 def test_streaming_completion_matches_non_streaming(server):
@@ -109,7 +99,7 @@ def test_data_parallel_2(trained, engine_runs, tmp_path):
         if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0
     }
     assert drafting_engines == {"0", "1"}
-    assert_counters_match(predicted_counters(trained, outputs), parse_prometheus_counters(metrics).as_dict())
+    assert_counters_match(predicted_counters(trained, outputs, K), parse_prometheus_counters(metrics).as_dict())
 
 
 def _interrupt_when_logged(log: Path, text: str, done: threading.Event) -> None:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (PROMPTS, assert_counters_match, assert_drafts_match, edited_copy, greedy_phase, serve_fitted,
+from conftest import (PROMPTS, assert_counters_match, assert_drafts_match, edited_copy, greedy_phase, predicted_counters,
+                      serve_fitted,
                       simulate_constant_drafter)
 from specforge_layout import specforge_chains
-from vllm_edsd.acceptance import predict
 from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS
 from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.target import load_target, run_target
@@ -157,9 +157,7 @@ def test_compiled_engine(trained, engine_runs):
     spec = edsd(trained["edsd"])
     run = serve_fitted(trained, engine_runs, "fitted-edsd-compiled", spec, eager=False)
     assert run["outputs"] == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
-    target = load_target(trained["target"])
-    drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
-    assert_counters_match(predict(drafter, target, list(zip(trained["prompts"], run["outputs"])), K), run["counters"])
+    assert_counters_match(predicted_counters(trained, run["outputs"], K), run["counters"])
 
 
 SAMPLED = {"temperature": 0.8, "max_tokens": 32, "ignore_eos": True}
