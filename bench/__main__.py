@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
 
-from .offline import Setup, acceptance, robustness, throughput
+from .offline import VARIANTS, Setup, acceptance, drafter_method, robustness, throughput
 from .report import plots, render
 
 SUITES = ("acceptance", "throughput", "latency", "robustness")
@@ -61,7 +62,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", help="target model (default: the embedded demo target)")
     parser.add_argument("--edsd", help="EDSD drafter, vLLM layout (default: the demo's)")
     parser.add_argument("--eagle3", help="EAGLE-3 drafter (default: the demo's)")
-    parser.add_argument("--methods", default="none,eagle3,edsd")
+    parser.add_argument("--methods", default="none,eagle3,edsd",
+                        help="comma-separated: none, eagle3, edsd, and EDSD served as edsd-adaptive "
+                             "(entropy-adaptive draft length) or edsd-batch-table (vLLM's K-by-batch-size table)")
+    parser.add_argument("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
+                        help=f"edsd-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")
+    parser.add_argument("--temperatures", default="0",
+                        help="throughput's sampling temperatures, comma-separated (default 0; acceptance runs 0 and 1)")
     parser.add_argument("--k", default="4", help="num_speculative_tokens, comma-separated (default 4)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: proves the suites run (used by CI)")
     parser.add_argument("--prompts-per-category", type=int, default=None)
@@ -87,17 +94,33 @@ def build_setup(args: argparse.Namespace) -> Setup:
             raise EDSDError("no demo models in this installation; pass --target (and --edsd/--eagle3)") from None
         target = paths["target"]
         drafters = {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters
-    methods = [m for m in args.methods.split(",") if m == "none" or m in drafters]
-    skipped = sorted(set(args.methods.split(",")) - set(methods))
+    requested = args.methods.split(",")
+    unknown = sorted(set(requested) - {"none", "eagle3", "edsd", *VARIANTS})
+    if unknown:
+        raise EDSDError(f"unknown method(s) {', '.join(unknown)}; choose from none, eagle3, edsd, {', '.join(VARIANTS)}")
+    methods = [m for m in requested if m == "none" or drafter_method(m) in drafters]
+    if "edsd-batch-table" in methods and not batch_table_supported():
+        methods.remove("edsd-batch-table")
+        print("skipping edsd-batch-table: this vLLM has no num_speculative_tokens_per_batch_size", file=sys.stderr)
+    skipped = sorted(set(requested) - set(methods) - {"edsd-batch-table"})
     if skipped:
         print(f"skipping {', '.join(skipped)}: no drafter given", file=sys.stderr)
+    if not 0 < args.adaptive_threshold < 1:
+        raise EDSDError(f"--adaptive-threshold must be between 0 and 1 (exclusive), got {args.adaptive_threshold}")
     quick = args.quick
     return Setup(
         target=target, drafters=drafters, methods=methods, ks=[int(k) for k in args.k.split(",")],
         prompts_per_category=args.prompts_per_category or (2 if quick else 8),
         max_tokens=args.max_tokens or (24 if quick else 256),
         batch_sizes=[int(b) for b in (args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256")).split(",")],
+        temperatures=[float(t) for t in args.temperatures.split(",")], adaptive_threshold=args.adaptive_threshold,
     )
+
+
+def batch_table_supported() -> bool:
+    from vllm.config import SpeculativeConfig
+
+    return "num_speculative_tokens_per_batch_size" in SpeculativeConfig.__dataclass_fields__
 
 
 def run_suite(setup: Setup, suite: str, args: argparse.Namespace) -> list[dict]:

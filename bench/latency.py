@@ -26,10 +26,9 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.engine import speculative_config
 from vllm_edsd.serving.server import running_server
 
-from .offline import CATEGORIES, Setup, load_prompts
+from .offline import CATEGORIES, Setup, load_prompts, method_config
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 SEED = 0
@@ -142,7 +141,7 @@ def latency(setup: Setup, rates: list[float], num_requests: int, max_users: int)
         for method, k in tqdm(setup.methods_with_k(), desc="latency", unit="server"):
             workdir = Path(tmp) / f"{method}-k{k}"
             workdir.mkdir()
-            spec = speculative_config(method, setup.drafters.get(method), k)
+            spec = method_config(setup, method, k)
             with running_server(setup.target, spec, extra_args=["--served-model-name", "bench"],
                                 log_path=workdir / "server.log") as base:
                 warm_up(base)

@@ -18,6 +18,19 @@ from vllm_edsd.data import load_humaneval
 from vllm_edsd.serving.engine import llm_session, spec_counters, speculative_config
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
+# Methods that are another method's drafter under other serving settings: name -> (drafter's
+# method, speculative-config fields). ``edsd-batch-table`` is vLLM's own K-by-batch-size table
+# (vLLM 0.32+), set from the static K figures of this CPU: K up to batch 4, K/2 to 16, 1 above.
+VARIANTS = {
+    "edsd-adaptive": ("edsd", lambda k, threshold: {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold}),
+    "edsd-batch-table": ("edsd", lambda k, threshold: {
+        "num_speculative_tokens_per_batch_size": [[1, 4, k], [5, 16, max(1, k // 2)], [17, 17, 1]]}),
+}
+
+
+def drafter_method(method: str) -> str:
+    """The method whose drafter ``method`` serves (itself unless it is a variant)."""
+    return VARIANTS[method][0] if method in VARIANTS else method
 
 
 def load_prompts(category: str, limit: int) -> list[list[dict]]:
@@ -44,6 +57,8 @@ class Setup:
     prompts_per_category: int
     max_tokens: int
     batch_sizes: list[int]
+    temperatures: list[float] = field(default_factory=lambda: [0.0])  # throughput's
+    adaptive_threshold: float = 0.3
     runs: list[dict] = field(default_factory=list)
 
     def methods_with_k(self) -> list[tuple[str, int]]:
@@ -52,11 +67,20 @@ class Setup:
         return pairs + [(m, k) for m in self.methods if m != "none" for k in self.ks]
 
 
+def method_config(setup: Setup, method: str, k: int, **extra) -> dict | None:
+    """The speculative config of (method, K), variants resolved to their drafter's method."""
+    if method == "none":
+        return None
+    base = drafter_method(method)
+    if method in VARIANTS:
+        extra.update(VARIANTS[method][1](k, setup.adaptive_threshold))
+    return speculative_config(base, setup.drafters.get(base), k, **extra)
+
+
 def engine(setup: Setup, method: str, k: int):
     """The engine for (method, K); sampled drafts at temperature > 0 (vLLM still drafts
     greedily for greedy requests)."""
-    extra = {} if method == "none" else {"draft_sample_method": "probabilistic"}
-    return llm_session(setup.target, speculative_config(method, setup.drafters.get(method), k, **extra))
+    return llm_session(setup.target, method_config(setup, method, k, draft_sample_method="probabilistic"))
 
 
 def generate(llm, conversations: list[list[dict]], temperature: float, max_tokens: int, one_at_a_time: bool) -> dict:
@@ -72,7 +96,8 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
     counters = spec_counters(llm) - before
     return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
             "tau": counters.mean_acceptance_length, "acceptance_per_pos": counters.acceptance_per_position,
-            "drafts": counters.drafts}
+            "drafts": counters.drafts, "draft_tokens": counters.draft_tokens,
+            "mean_draft_length": counters.draft_tokens / counters.drafts if counters.drafts else None}
 
 
 def with_speedup(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
@@ -99,18 +124,19 @@ def acceptance(setup: Setup, temperatures: tuple[float, ...] = (0.0, 1.0)) -> li
 
 
 def throughput(setup: Setup) -> list[dict]:
-    """Output tokens/s and speed-up at each batch size (greedy, chain drafting)."""
+    """Output tokens/s and speed-up at each batch size and temperature (chain drafting)."""
     pool = [c for cat in CATEGORIES for c in load_prompts(cat, setup.prompts_per_category)]
     rows = []
     for method, k in tqdm(setup.methods_with_k(), desc="throughput", unit="engine"):
         with engine(setup, method, k) as llm:
             generate(llm, pool[:1], 0.0, 8, one_at_a_time=False)  # warm-up
-            for batch in setup.batch_sizes:
-                prompts = [pool[i % len(pool)] for i in range(batch)]
-                result = generate(llm, prompts, 0.0, setup.max_tokens, one_at_a_time=False)
-                rows.append({"suite": "throughput", "method": method, "k": k, "batch_size": batch,
-                             "temperature": 0.0, **result})
-    return with_speedup(rows, ("batch_size",))
+            for temperature in setup.temperatures:
+                for batch in setup.batch_sizes:
+                    prompts = [pool[i % len(pool)] for i in range(batch)]
+                    result = generate(llm, prompts, temperature, setup.max_tokens, one_at_a_time=False)
+                    rows.append({"suite": "throughput", "method": method, "k": k, "batch_size": batch,
+                                 "temperature": temperature, **result})
+    return with_speedup(rows, ("batch_size", "temperature"))
 
 
 def robustness(setup: Setup) -> list[dict]:

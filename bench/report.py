@@ -24,17 +24,20 @@ def render(results: dict) -> str:
         out.append(f"\n**The {suite} suite failed** ({reason}); it has no rows below.\n")
     acc = [r for r in runs if r["suite"] == "acceptance"]
     if acc:
-        out.append("## Acceptance (batch size 1)\n\nτ = mean acceptance length; speed-up over no speculation in the same run.\n")
-        out.append(_table(["method", "K", "T", "category", "τ", "acceptance per position", "tok/s", "speed-up"], [
+        out.append("## Acceptance (batch size 1)\n\nτ = mean acceptance length; draft len = mean tokens per draft "
+                   "(K unless the length adapts); speed-up over no speculation in the same run.\n")
+        out.append(_table(["method", "K", "T", "category", "τ", "acceptance per position", "draft len", "tok/s",
+                           "speed-up"], [
             [r["method"], str(r["k"]), _fmt(r["temperature"], ".0f"), r["category"], _fmt(r["tau"]),
-             " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]), _fmt(r["output_tokens_per_s"], ".1f"),
-             _fmt(r["speedup"])] for r in acc]))
+             " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]), _fmt(r.get("mean_draft_length")),
+             _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r["speedup"])] for r in acc]))
     thr = [r for r in runs if r["suite"] == "throughput"]
     if thr:
-        out.append("\n## Throughput vs batch size (greedy, chain drafting)\n")
-        out.append(_table(["method", "K", "batch", "tok/s", "speed-up", "τ"], [
-            [r["method"], str(r["k"]), str(r["batch_size"]), _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r["speedup"]),
-             _fmt(r["tau"])] for r in thr]))
+        out.append("\n## Throughput vs batch size (chain drafting)\n")
+        out.append(_table(["method", "K", "T", "batch", "tok/s", "speed-up", "τ", "draft len"], [
+            [r["method"], str(r["k"]), _fmt(r["temperature"], ".0f"), str(r["batch_size"]),
+             _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r["speedup"]), _fmt(r["tau"]), _fmt(r.get("mean_draft_length"))]
+            for r in thr]))
     lat = [r for r in runs if r["suite"] == "latency"]
     if lat:
         out.append("\n## Latency vs request rate (open-loop Poisson arrivals, streaming, seconds)\n\n"
@@ -83,14 +86,19 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
         ax.legend()
         save(fig, "acceptance_per_position.png")
     thr = [r for r in runs if r["suite"] == "throughput" and r["method"] != "none"]
+    temperatures = sorted({r["temperature"] for r in thr})
     if thr:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for key in sorted({(r["method"], r["k"]) for r in thr}):
-            rows = sorted((r for r in thr if (r["method"], r["k"]) == key), key=lambda r: r["batch_size"])
-            ax.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=f"{key[0]} K={key[1]}")
-        ax.axhline(1, color="grey", lw=0.8)
-        ax.set(xscale="log", xlabel="batch size", ylabel="speed-up", title="Throughput speed-up vs batch size")
-        ax.legend()
+        fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 3.5), squeeze=False)
+        for ax, temperature in zip(axes[0], temperatures):
+            at = [r for r in thr if r["temperature"] == temperature]
+            for key in sorted({(r["method"], r["k"]) for r in at}):
+                rows = sorted((r for r in at if (r["method"], r["k"]) == key), key=lambda r: r["batch_size"])
+                ax.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o",
+                        label=f"{key[0]} K={key[1]}")
+            ax.axhline(1, color="grey", lw=0.8)
+            ax.set(xscale="log", xlabel="batch size", ylabel="speed-up",
+                   title=f"Throughput speed-up vs batch size (T={temperature:g})")
+            ax.legend()
         save(fig, "speedup_vs_batch.png")
     lat = [r for r in runs if r["suite"] == "latency"]
     if lat:

@@ -101,7 +101,8 @@ def edsd_spec(drafter, k: int = 4, **extra) -> dict:
 def assert_drafts_match(prompts: list[list[int]], phase: dict, chains_for, k: int) -> int:
     """Every chain vLLM drafted in a recorded phase (one request at a time) equals
     ``chains_for(sequence)[p]``, the chain drafted from the context that ends at index p+1 of
-    ``prompt + output``: first and fed-back draft steps. Returns how many chains matched."""
+    ``prompt + output`` (a tensor row, or a list where chains may be cut short): first and
+    fed-back draft steps. Returns how many chains matched."""
     import torch
 
     compared = 0
@@ -110,11 +111,12 @@ def assert_drafts_match(prompts: list[list[int]], phase: dict, chains_for, k: in
         context = len(prompt) + 1  # prompt plus the token sampled at prefill
         for step in recorded:
             assert len(step) == 1, "one request at a time"
-            draft = step[0]
-            assert draft == chains[context - 2].tolist(), f"step at context length {context}"
+            draft, expected = step[0], chains[context - 2]
+            assert draft == (expected.tolist() if isinstance(expected, torch.Tensor) else expected), \
+                f"step at context length {context}"
             compared += 1
             accepted = 0
-            while (accepted < k and context + accepted < len(prompt) + len(output)
+            while (accepted < min(k, len(draft)) and context + accepted < len(prompt) + len(output)
                    and draft[accepted] == output[context - len(prompt) + accepted]):
                 accepted += 1
             context += accepted + 1
@@ -131,6 +133,8 @@ def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: 
 
 
 FITTED_TOKENS = 40
+# The OpenAI server on the fitted target: float32 and eager like the reference.
+SERVER_ARGS = ["--served-model-name", "toy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
 
 
 def serve_fitted(trained: dict, engine_runs, key: str, spec: dict | None, eager: bool = True) -> dict:
@@ -141,16 +145,17 @@ def serve_fitted(trained: dict, engine_runs, key: str, spec: dict | None, eager:
     return engine_runs(key, job)["phases"]["greedy"]
 
 
-def predicted_counters(trained: dict, outputs: list[list[int]], k: int):
+def predicted_counters(trained: dict, outputs: list[list[int]], k: int, max_entropy: float | None = None):
     """What the reference model, loaded from the unfolded conversion of the trained drafter,
-    predicts for these greedy outputs of ``trained["prompts"]``."""
+    predicts for these greedy outputs of ``trained["prompts"]`` (with ``max_entropy``: under
+    the adaptive draft length)."""
     from vllm_edsd.acceptance import predict
     from vllm_edsd.reference import EDSDDraftModel
     from vllm_edsd.target import load_target
 
     target = load_target(trained["target"])
     drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
-    return predict(drafter, target, list(zip(trained["prompts"], outputs)), k)
+    return predict(drafter, target, list(zip(trained["prompts"], outputs)), k, max_entropy)
 
 
 def assert_counters_match(predicted, measured: dict) -> None:
@@ -292,3 +297,20 @@ def baseline(models, engine_runs):
         return engine_runs(f"baseline-{arch}", job)["phases"]["greedy"]["outputs"]
 
     return outputs
+
+
+def completion_token_ids(base: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions of token-id prompts, as token ids, in prompt order."""
+    import requests
+
+    body = {"model": "toy", "prompt": prompts, "max_tokens": FITTED_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_tokens_as_token_ids": True, "logprobs": 1}
+    choices = sorted(requests.post(f"{base}/v1/completions", json=body, timeout=300).json()["choices"],
+                     key=lambda c: c["index"])
+    return [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
+
+
+def drafting_engines(metrics: str) -> set[str]:
+    """The engine indices whose ``/metrics`` series count at least one draft."""
+    return {line.split('engine="', 1)[1].split('"', 1)[0] for line in metrics.splitlines()
+            if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0}

@@ -26,8 +26,8 @@ def _install_recorder(worker) -> None:
     original = drafter.propose
 
     def propose(*args, **kwargs):
-        draft = original(*args, **kwargs)
-        drafter._edsd_recorded.append(draft.tolist())
+        draft = original(*args, **kwargs)  # a tensor, or one list per request (adaptive length)
+        drafter._edsd_recorded.append(draft if isinstance(draft, list) else draft.tolist())
         return draft
 
     drafter.propose = propose

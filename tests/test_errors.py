@@ -15,6 +15,7 @@ from conftest import edited_copy, engine_config
 from conftest import edsd_spec as spec
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.layouts import EDSD_TRAINING
+from vllm_edsd.serving.adaptive import AdaptiveDraftLength, check_runner
 from vllm_edsd.toy import make_drafter
 
 
@@ -85,12 +86,43 @@ def test_bad_drafter_is_refused_with_a_clear_error(models, drafters, case, expec
         ({"num_speculative_tokens": 0}, "'num_speculative_tokens' must be a positive integer"),
         ({"draft_sample_method": "beam"}, "'draft_sample_method' must be one of"),
         ({"model": None}, "needs 'model'"),
+        ({"adaptive_draft_length": "yes"}, "'adaptive_draft_length' must be true or false"),
+        ({"adaptive_draft_threshold": 0.3}, "'adaptive_draft_threshold' needs \"adaptive_draft_length\": true"),
+        *[({"adaptive_draft_length": True, "adaptive_draft_threshold": bad}, "a number between 0 and 1 (exclusive)")
+          for bad in (0, 1, -0.5, 1.5, "0.3", True, float("nan"))],
     ],
 )
 def test_malformed_speculative_config(models, extra, expected):
     with pytest.raises(EDSDError) as err:
         engine_config(models["llama"], spec(models["llama-edsd"], **extra))
     assert expected in str(err.value)
+
+
+def test_adaptive_fields_belong_to_edsd(models):
+    with pytest.raises(EDSDError, match="'adaptive_draft_length' is an option of \"method\": \"edsd\", not of 'eagle3'"):
+        engine_config(models["llama"], {**spec(models["llama-edsd"]), "method": "eagle3", "adaptive_draft_length": True})
+
+
+def test_adaptive_draft_length_is_accepted_on_the_v1_runner(models):
+    """On this CPU build (V1 runner, synchronous scheduling) the config is accepted, vLLM sees
+    none of the plugin's fields, and the settings ride on the drafter's config to the workers."""
+    config = engine_config(models["llama"], spec(models["llama-edsd"], adaptive_draft_length=True,
+                                                 adaptive_draft_threshold=0.25))
+    assert not config.use_v2_model_runner and not config.scheduler_config.async_scheduling
+    assert AdaptiveDraftLength.of(config.speculative_config.draft_model_config.hf_config) == AdaptiveDraftLength(0.25)
+
+
+@pytest.mark.parametrize(("v2", "async_scheduling", "expected"), [
+    (True, False, "runs on vLLM's V1 model runner.*VLLM_USE_V2_MODEL_RUNNER=0"),
+    (False, True, "needs synchronous scheduling.*--no-async-scheduling"),
+])
+def test_adaptive_draft_length_is_refused_where_drafts_have_one_width(v2, async_scheduling, expected):
+    """Model Runner V2 and asynchronous scheduling hand drafts on as one fixed-width tensor.
+    Neither can run on this CPU build (V2 needs Triton, and the CPU platform turns asynchronous
+    scheduling off), so the check that the engine-config hook applies is called directly."""
+    check_runner(use_v2_model_runner=False, async_scheduling=False)
+    with pytest.raises(EDSDError, match=expected):
+        check_runner(use_v2_model_runner=v2, async_scheduling=async_scheduling)
 
 
 @pytest.mark.parametrize("case", ["mistyped relative path", "hub id with the hub switched off"])

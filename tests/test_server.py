@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import FITTED_TOKENS, assert_counters_match, predicted_counters, processes_with, serve_fitted
+from conftest import SERVER_ARGS, assert_counters_match, completion_token_ids, drafting_engines, predicted_counters, \
+    processes_with, serve_fitted
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.engine import parse_prometheus_counters
 from vllm_edsd.serving.server import running_server
 
 
 K = 4
-SERVER_ARGS = ["--served-model-name", "toy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +35,6 @@ def server(trained, tmp_path_factory):
 
 def counters(base: str):
     return parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
-
-
-def completion_token_ids(base: str, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy completions of token-id prompts, as token ids, in prompt order."""
-    body = {"model": "toy", "prompt": prompts, "max_tokens": FITTED_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_tokens_as_token_ids": True, "logprobs": 1}
-    choices = sorted(requests.post(f"{base}/v1/completions", json=body, timeout=300).json()["choices"],
-                     key=lambda c: c["index"])
-    return [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
 
 
 def test_completion_is_lossless_and_counts_match_the_reference(server, trained, engine_runs):
@@ -93,12 +84,7 @@ def test_data_parallel_2(trained, engine_runs, tmp_path):
         outputs = completion_token_ids(base, trained["prompts"])
         metrics = requests.get(f"{base}/metrics", timeout=10).text
     assert outputs == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
-    drafting_engines = {
-        line.split('engine="', 1)[1].split('"', 1)[0]
-        for line in metrics.splitlines()
-        if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0
-    }
-    assert drafting_engines == {"0", "1"}
+    assert drafting_engines(metrics) == {"0", "1"}
     assert_counters_match(predicted_counters(trained, outputs, K), parse_prometheus_counters(metrics).as_dict())
 
 

@@ -19,16 +19,17 @@ from .target import run_target
 def replay(sequence: Sequence[int], prompt_len: int, k: int, chain_at: Callable[[int], Sequence[int]]) -> SpecCounters:
     """Replay greedy verification over ``sequence`` (prompt + generation).
 
-    ``chain_at(c)`` returns the K drafts proposed when the context ends at index c.
+    ``chain_at(c)`` returns the drafts (at most K; fewer where the draft length is adaptive)
+    proposed when the context ends at index c. As in vLLM, a step without drafts counts no draft.
     """
     counters = SpecCounters(accepted_per_pos=[0] * k)
     c = prompt_len  # the token sampled at prefill ends the first context
     while c < len(sequence) - 1:
         draft = list(chain_at(c))
-        counters.drafts += 1
-        counters.draft_tokens += k
+        counters.drafts += bool(draft)
+        counters.draft_tokens += len(draft)
         accepted = 0
-        while accepted < k and c + 1 + accepted < len(sequence) and draft[accepted] == sequence[c + 1 + accepted]:
+        while accepted < len(draft) and c + 1 + accepted < len(sequence) and draft[accepted] == sequence[c + 1 + accepted]:
             counters.accepted_per_pos[accepted] += 1
             accepted += 1
         counters.accepted += accepted
@@ -46,16 +47,26 @@ def total(counters: list[SpecCounters]) -> SpecCounters:
     return out
 
 
+def kept_lengths(entropy: torch.Tensor, max_entropy: float | None) -> torch.Tensor:
+    """How many leading drafts of each chain the adaptive draft length keeps: those before
+    the first whose entropy exceeds ``max_entropy`` (all of them when it is None)."""
+    confident = torch.ones_like(entropy, dtype=torch.bool) if max_entropy is None else entropy <= max_entropy
+    return confident.long().cumprod(-1).sum(-1)
+
+
 @torch.no_grad()
-def predict(drafter, target_model, generations: list[tuple[list[int], list[int]]], k: int) -> SpecCounters:
-    """Counters the reference ``drafter`` predicts for (prompt, greedy output) pairs."""
+def predict(drafter, target_model, generations: list[tuple[list[int], list[int]]], k: int,
+            max_entropy: float | None = None) -> SpecCounters:
+    """Counters the reference ``drafter`` predicts for (prompt, greedy output) pairs; with
+    ``max_entropy``, under the adaptive draft length (``serving/adaptive.py``)."""
     layer_ids = drafter.config.aux_layer_ids
     results = []
     for prompt, output in generations:
         sequence = prompt + output
         ids = torch.tensor([sequence])
         features = run_target(target_model, ids, layer_ids).features(layer_ids).to(next(drafter.parameters()).dtype)
-        chains = drafter.propose(features[:, :-1], ids[:, 1:], k)[0]
+        chains, entropy = drafter.propose_with_entropy(features[:, :-1], ids[:, 1:], k)
+        lengths = kept_lengths(entropy[0], max_entropy).tolist()
         # Row p drafts after the context x_0..x_{p+1}: the context ending at c is row c - 1.
-        results.append(replay(sequence, len(prompt), k, lambda c: chains[c - 1].tolist()))
+        results.append(replay(sequence, len(prompt), k, lambda c: chains[0, c - 1, :lengths[c - 1]].tolist()))
     return total(results)

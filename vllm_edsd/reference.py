@@ -203,6 +203,12 @@ class DraftHead(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
+def draft_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each row's softmax, at temperature 1; -inf logits (tokens outside
+    the draft vocabulary, in vLLM's target-vocab logits) contribute nothing."""
+    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(dim=-1)
+
+
 class EDSDDraftModel(DraftHead):
     """The EDSD drafter. Parameter names are those of the training layout (SPEC §3.1)."""
 
@@ -228,15 +234,24 @@ class EDSDDraftModel(DraftHead):
         ``next_tokens`` [B, T] the tokens x_1..x_T. Returns target-vocab ids [B, T, K]:
         row p is the chain an engine drafts when the context ends with x_{p+1}.
         """
+        return self.propose_with_entropy(features, next_tokens, num_steps)[0]
+
+    @torch.no_grad()
+    def propose_with_entropy(
+        self, features: torch.Tensor, next_tokens: torch.Tensor, num_steps: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``propose``, plus the entropy (nats) of each drafted token's distribution [B, T, K]:
+        what the adaptive draft length decides on."""
         b, t = next_tokens.shape
         positions = torch.arange(t, device=next_tokens.device).expand(b, t)
         kv = KeyValueSteps()
-        g, tokens, chain = self.project(features), next_tokens, []
+        g, tokens, chain, entropy = self.project(features), next_tokens, [], []
         for k in range(num_steps):
             logits, g = self.step(g, tokens, positions + k, kv)
             tokens = self.draft_to_target(logits.argmax(-1))
             chain.append(tokens)
-        return torch.stack(chain, -1)
+            entropy.append(draft_entropy(logits))
+        return torch.stack(chain, -1), torch.stack(entropy, -1)
 
     # ------------------------------------------------------------ weights
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

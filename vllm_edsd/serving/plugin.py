@@ -6,6 +6,10 @@
   check the drafter and translate the method to ``"eagle3"`` before pydantic validates
   it. Everything downstream (aux hidden states, the EAGLE proposer, KV lookahead, the
   rejection sampler, metrics, compilation) is vLLM's own EAGLE-3 path.
+* The ``adaptive_draft_*`` fields are the plugin's own (``adaptive.py``): taken out before
+  vLLM validates the config, carried to the workers on the drafter's hf_config, checked
+  against the runner once the engine config exists, and applied by hooking the V1 EAGLE
+  proposer after it loads.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import EDSDConfig, TargetFingerprint, read_config_json
 from vllm_edsd.formats.files import tensor_shapes
 from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, check_tensors, detect_layout
+from vllm_edsd.serving import adaptive
 
 logger = logging.getLogger("vllm_edsd")
 
@@ -72,7 +79,8 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
     if unknown:
         raise EDSDError(
             f"speculative config: unknown field(s) {', '.join(map(repr, unknown))} "
-            f"(valid fields include: method, model, num_speculative_tokens, draft_sample_method)"
+            f"(valid fields include: method, model, num_speculative_tokens, draft_sample_method, "
+            f"{', '.join(adaptive.FIELDS)})"
         )
     k = kwargs.get("num_speculative_tokens")
     if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -116,6 +124,19 @@ def _serving_from_command_line() -> bool:
     return os.path.basename(sys.argv[0]) == "vllm" and "serve" in sys.argv[1:2]
 
 
+@contextmanager
+def _errors_for_the_user() -> Iterator[None]:
+    """A server's user reads one line, not vLLM's traceback; a library caller (``LLM(...)``)
+    gets the exception."""
+    try:
+        yield
+    except EDSDError as exc:
+        if _serving_from_command_line():
+            print(f"vllm-edsd: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise
+
+
 def _wrap_speculative_config() -> None:
     from vllm.config import SpeculativeConfig
 
@@ -126,10 +147,16 @@ def _wrap_speculative_config() -> None:
 
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("method") != METHOD:
-            original(self, *args, **kwargs)
-            return
-        try:
+        with _errors_for_the_user():
+            if kwargs.get("method") != METHOD:
+                stray = sorted(set(kwargs) & set(adaptive.FIELDS))
+                if stray:
+                    raise EDSDError(f"speculative config: {', '.join(map(repr, stray))} is an option of "
+                                    f"\"method\": \"{METHOD}\", not of {kwargs.get('method')!r}")
+                original(self, *args, **kwargs)
+                return
+            kwargs = dict(kwargs)
+            adaptive_length = adaptive.AdaptiveDraftLength.pop_from(kwargs)
             drafter = check_speculative_request(kwargs, known_fields)
             original(self, *args, **{**kwargs, "method": "eagle3"})
             if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
@@ -139,14 +166,56 @@ def _wrap_speculative_config() -> None:
                 drafter = EDSD_VLLM.read_config(raw, source=f"{kwargs['model']}/config.json")
             target = TargetFingerprint.from_hf_config(self.target_model_config.hf_text_config)
             drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
-        except EDSDError as exc:
-            if _serving_from_command_line():  # a server's user reads one line, not vLLM's traceback
-                print(f"vllm-edsd: error: {exc}", file=sys.stderr, flush=True)
-                raise SystemExit(2) from None
-            raise  # a library caller (LLM(...)) gets the exception
+            if adaptive_length is not None:
+                setattr(self.draft_model_config.hf_config, adaptive.CONFIG_ATTRIBUTE, adaptive_length.as_dict())
 
     __init__._edsd_wrapped = True  # type: ignore[attr-defined]
     SpeculativeConfig.__init__ = __init__
+
+
+def _wrap_engine_config() -> None:
+    """Refuse the adaptive draft length where the engine cannot cut drafts, once vLLM has
+    chosen the model runner and the scheduling."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_edsd_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
+        config = original(self, *args, **kwargs)
+        spec = config.speculative_config
+        draft = None if spec is None else spec.draft_model_config
+        if draft is not None and adaptive.AdaptiveDraftLength.of(draft.hf_config) is not None:
+            with _errors_for_the_user():
+                adaptive.check_runner(bool(getattr(config, "use_v2_model_runner", False)),
+                                      bool(config.scheduler_config.async_scheduling))
+        return config
+
+    create_engine_config._edsd_wrapped = True  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _wrap_proposer_loading() -> None:
+    """After vLLM's V1 EAGLE proposer loads its model, hook it for the adaptive draft length
+    (``adaptive.attach`` leaves every other proposer alone)."""
+    try:
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer as proposer_class
+    except ImportError:  # before vLLM 0.32 the EAGLE proposer had no base class
+        from vllm.v1.spec_decode.eagle import EagleProposer as proposer_class
+
+    original = proposer_class.load_model
+    if getattr(original, "_edsd_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        adaptive.attach(self)
+
+    load_model._edsd_wrapped = True  # type: ignore[attr-defined]
+    proposer_class.load_model = load_model
 
 
 def install() -> None:
@@ -160,6 +229,8 @@ def install() -> None:
     for name in EDSD_VLLM.architectures:
         ModelRegistry.register_model(name, _MODEL_CLASS)
     _wrap_speculative_config()
+    _wrap_engine_config()
+    _wrap_proposer_loading()
     if not version_supported(vllm_version()):
         logger.warning(
             "vllm-edsd: vLLM %s is outside the supported range 0.32-0.33; \"method\": \"edsd\" is refused",

@@ -6,7 +6,9 @@ type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
 
 * ``combine_hidden_states``: ``fc`` on the two aux hidden states (first draft step only);
 * ``forward``: EDFuse on (feature, token embedding), one stock Llama decoder layer, RMSNorm;
-  it returns (normed states for the logits, pre-norm states fed back to the next step).
+  it returns (normed states for the logits, pre-norm states fed back to the next step);
+* ``compute_logits`` also records the draft entropy when the draft length is adaptive
+  (``adaptive.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from vllm.model_executor.models.utils import (WeightsMapper, get_draft_quant_con
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import LAYERNORM, EDSDConfig, TargetFingerprint
 from vllm_edsd.formats.layouts import EDSD_VLLM, KV_SCALE, ROPE_CACHES, unexpected_hint
-from vllm_edsd.reference import expected_shapes
+from vllm_edsd.reference import draft_entropy, expected_shapes
+from vllm_edsd.serving.adaptive import AdaptiveDraftLength
 
 # vLLM-layout tensor name -> parameter name; names not listed (``lm_head.*``) keep theirs, and
 # ``t2d`` is dropped: ``d2t`` alone maps the vocabulary.
@@ -172,6 +175,8 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
         self.use_parallel_drafting = vllm_config.speculative_config.parallel_drafting
         if self.use_parallel_drafting:
             raise EDSDError("EDSD drafters do not support parallel_drafting; remove it from the speculative config")
+        self.adaptive = AdaptiveDraftLength.of(self.config)
+        self.last_draft_entropy: torch.Tensor | None = None
 
     def forward(
         self,
@@ -181,6 +186,12 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
         inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(input_ids, positions, hidden_states, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden_states)
+        if self.adaptive is not None and logits is not None:
+            self.last_draft_entropy = draft_entropy(logits)
+        return logits
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.fc(hidden_states)
