@@ -15,6 +15,7 @@ from importlib import resources
 from tqdm import tqdm
 
 from vllm_edsd.data import load_humaneval
+from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
 from vllm_edsd.serving.engine import llm_session, spec_counters, speculative_config
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
@@ -58,7 +59,7 @@ class Setup:
     max_tokens: int
     batch_sizes: list[int]
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # throughput's
-    adaptive_threshold: float = 0.3
+    adaptive_threshold: float = DEFAULT_THRESHOLD
     runs: list[dict] = field(default_factory=list)
 
     def methods_with_k(self) -> list[tuple[str, int]]:
@@ -97,7 +98,7 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
     return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
             "tau": counters.mean_acceptance_length, "acceptance_per_pos": counters.acceptance_per_position,
             "drafts": counters.drafts, "draft_tokens": counters.draft_tokens,
-            "mean_draft_length": counters.draft_tokens / counters.drafts if counters.drafts else None}
+            "mean_draft_length": counters.mean_draft_length}
 
 
 def with_speedup(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:

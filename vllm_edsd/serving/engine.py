@@ -99,6 +99,11 @@ class SpecCounters:
         return None if self.drafts == 0 else 1.0 + self.accepted / self.drafts
 
     @property
+    def mean_draft_length(self) -> float | None:
+        """Draft tokens per drafted step: K, unless the draft length adapts (or vLLM trims)."""
+        return None if self.drafts == 0 else self.draft_tokens / self.drafts
+
+    @property
     def acceptance_per_position(self) -> list[float]:
         return [a / self.drafts for a in self.accepted_per_pos] if self.drafts else []
 
