@@ -88,7 +88,10 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
     """Output tokens/s and the spec-decode counters over these conversations."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    # No per-request seed (the engine's own seed=0 stands): vLLM 0.32's CPU build ends the engine
+    # when a seeded request's prefill is split across steps at temperature > 0 ("CPU Generator
+    # does not use offset", seen in a 64-request batch at T=1).
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     before, tokens, start = spec_counters(llm), 0, time.perf_counter()
     groups = [[c] for c in conversations] if one_at_a_time else [conversations]
     for group in groups:
