@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -137,15 +137,29 @@ def _errors_for_the_user() -> Iterator[None]:
         raise
 
 
+def _replace_method(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """``owner.name = make(original)``, once: a method already replaced (the plugin's module
+    imported again in the same process) is left as it is."""
+    original = getattr(owner, name)
+    if getattr(original, "_edsd_wrapped", False):
+        return
+    replacement = functools.wraps(original)(make(original))
+    replacement._edsd_wrapped = True  # type: ignore[attr-defined]
+    setattr(owner, name, replacement)
+
+
 def _wrap_speculative_config() -> None:
     from vllm.config import SpeculativeConfig
 
-    original = SpeculativeConfig.__init__
-    if getattr(original, "_edsd_wrapped", False):
-        return
+    _replace_method(SpeculativeConfig, "__init__", _checked_speculative_init)
+
+
+def _checked_speculative_init(original: Callable) -> Callable:
+    """``SpeculativeConfig.__init__`` that checks an ``"edsd"`` request and hands vLLM ``"eagle3"``."""
+    from vllm.config import SpeculativeConfig
+
     known_fields = set(SpeculativeConfig.__dataclass_fields__)
 
-    @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         with _errors_for_the_user():
             if kwargs.get("method") != METHOD:
@@ -169,8 +183,7 @@ def _wrap_speculative_config() -> None:
             if adaptive_length is not None:
                 setattr(self.draft_model_config.hf_config, adaptive.CONFIG_ATTRIBUTE, adaptive_length.as_dict())
 
-    __init__._edsd_wrapped = True  # type: ignore[attr-defined]
-    SpeculativeConfig.__init__ = __init__
+    return __init__
 
 
 def _wrap_engine_config() -> None:
@@ -178,23 +191,20 @@ def _wrap_engine_config() -> None:
     chosen the model runner and the scheduling."""
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.create_engine_config
-    if getattr(original, "_edsd_wrapped", False):
-        return
+    def make(original: Callable) -> Callable:
+        def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
+            config = original(self, *args, **kwargs)
+            spec = config.speculative_config
+            draft = None if spec is None else spec.draft_model_config
+            if draft is not None and adaptive.AdaptiveDraftLength.of(draft.hf_config) is not None:
+                with _errors_for_the_user():
+                    adaptive.check_runner(bool(getattr(config, "use_v2_model_runner", False)),
+                                          bool(config.scheduler_config.async_scheduling))
+            return config
 
-    @functools.wraps(original)
-    def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
-        config = original(self, *args, **kwargs)
-        spec = config.speculative_config
-        draft = None if spec is None else spec.draft_model_config
-        if draft is not None and adaptive.AdaptiveDraftLength.of(draft.hf_config) is not None:
-            with _errors_for_the_user():
-                adaptive.check_runner(bool(getattr(config, "use_v2_model_runner", False)),
-                                      bool(config.scheduler_config.async_scheduling))
-        return config
+        return create_engine_config
 
-    create_engine_config._edsd_wrapped = True  # type: ignore[attr-defined]
-    EngineArgs.create_engine_config = create_engine_config
+    _replace_method(EngineArgs, "create_engine_config", make)
 
 
 def _wrap_proposer_loading() -> None:
@@ -205,17 +215,14 @@ def _wrap_proposer_loading() -> None:
     except ImportError:  # before vLLM 0.32 the EAGLE proposer had no base class
         from vllm.v1.spec_decode.eagle import EagleProposer as proposer_class
 
-    original = proposer_class.load_model
-    if getattr(original, "_edsd_wrapped", False):
-        return
+    def make(original: Callable) -> Callable:
+        def load_model(self, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            adaptive.attach(self)
 
-    @functools.wraps(original)
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        adaptive.attach(self)
+        return load_model
 
-    load_model._edsd_wrapped = True  # type: ignore[attr-defined]
-    proposer_class.load_model = load_model
+    _replace_method(proposer_class, "load_model", make)
 
 
 def install() -> None:
