@@ -21,7 +21,8 @@ from vllm_edsd.serving.engine import llm_session, spec_counters, speculative_con
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 # Methods that are another method's drafter under other serving settings: name -> (drafter's
 # method, speculative-config fields). ``edsd-batch-table`` is vLLM's own K-by-batch-size table
-# (vLLM 0.32+), set from the static K figures of this CPU: K up to batch 4, K/2 to 16, 1 above.
+# (``num_speculative_tokens_per_batch_size``), set from the static K figures of this CPU: K up
+# to batch 4, K/2 to 16, 1 above.
 VARIANTS = {
     "edsd-adaptive": ("edsd", lambda k, threshold: {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold}),
     "edsd-batch-table": ("edsd", lambda k, threshold: {

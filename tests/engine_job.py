@@ -17,24 +17,34 @@ import sys
 import time
 
 
+def _drafter(worker):
+    """The object whose ``propose`` returns the drafts: Model Runner V1's ``drafter`` (what
+    the CPU build runs) or V2's ``speculator`` (vLLM's default on CUDA)."""
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    return drafter if drafter is not None else runner.speculator
+
+
 def _install_recorder(worker) -> None:
     """Wrap the drafter's ``propose`` to keep every chain of draft tokens it returns."""
-    drafter = worker.model_runner.drafter
+    drafter = _drafter(worker)
     if getattr(drafter, "_edsd_recorded", None) is not None:
         return
     drafter._edsd_recorded = []
     original = drafter.propose
 
     def propose(*args, **kwargs):
-        draft = original(*args, **kwargs)  # a tensor, or one list per request (adaptive length)
-        drafter._edsd_recorded.append(draft if isinstance(draft, list) else draft.tolist())
+        # A tensor (V1; V2 on the device), or one list per request (adaptive length).
+        draft = original(*args, **kwargs)
+        if not kwargs.get("dummy_run", False):  # V2's warm-up and padding runs draft nothing real
+            drafter._edsd_recorded.append(draft if isinstance(draft, list) else draft.tolist())
         return draft
 
     drafter.propose = propose
 
 
 def _take_recorded(worker) -> list:
-    drafter = worker.model_runner.drafter
+    drafter = _drafter(worker)
     recorded, drafter._edsd_recorded = drafter._edsd_recorded, []
     return recorded
 

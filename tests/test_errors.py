@@ -16,6 +16,7 @@ from conftest import edsd_spec as spec
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.layouts import EDSD_TRAINING
 from vllm_edsd.serving.adaptive import AdaptiveDraftLength, check_runner
+from vllm_edsd.serving.plugin import version_supported
 from vllm_edsd.toy import make_drafter
 
 
@@ -78,6 +79,7 @@ def test_bad_drafter_is_refused_with_a_clear_error(models, drafters, case, expec
     assert expected in str(err.value)
 
 
+@pytest.mark.vllm_range
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
@@ -103,6 +105,7 @@ def test_adaptive_fields_belong_to_edsd(models):
         engine_config(models["llama"], {**spec(models["llama-edsd"]), "method": "eagle3", "adaptive_draft_length": True})
 
 
+@pytest.mark.vllm_range
 def test_adaptive_draft_length_is_accepted_on_the_v1_runner(models):
     """On this CPU build (V1 runner, synchronous scheduling) the config is accepted, vLLM sees
     none of the plugin's fields, and the settings ride on the drafter's config to the workers."""
@@ -140,6 +143,24 @@ def test_missing_drafter_path_is_no_such_directory_not_a_download(models, tmp_pa
         engine_config(models["llama"], spec(model))
 
 
+@pytest.mark.vllm_range
+@pytest.mark.parametrize(("version", "supported"), [
+    ("0.23.1", False), ("0.24.0", True), ("0.27.0+cpu", True), ("0.33.2", True), ("0.34.0", False),
+    ("1.0.0", False), ("unknown", False),
+])
+def test_supported_vllm_range_is_0_24_to_0_33(version, supported):
+    assert version_supported(version) is supported
+
+
+def test_vllm_outside_the_range_is_refused_by_name(models, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.23.0")
+    with pytest.raises(EDSDError, match=r"supports vLLM 0\.24 up to \(not including\) 0\.34; the installed vLLM is 0\.23\.0"):
+        engine_config(models["llama"], spec(models["llama-edsd"]))
+
+
+@pytest.mark.vllm_range
 def test_eagle3_drafter_under_edsd_method_is_refused(models, tmp_path):
     eagle_like = tmp_path / "eagle3"
     shutil.copytree(models["llama-edsd"], eagle_like)
@@ -150,6 +171,7 @@ def test_eagle3_drafter_under_edsd_method_is_refused(models, tmp_path):
         engine_config(models["llama"], spec(eagle_like))
 
 
+@pytest.mark.vllm_range
 def test_good_config_resolves_to_vllms_eagle3_path(models):
     config = engine_config(models["llama"], spec(models["llama-edsd"]))
     assert config.speculative_config.method == "eagle3"

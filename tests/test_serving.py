@@ -59,6 +59,7 @@ def reference_chains(target_dir: str, source: str, specforge: bool = False):
     return chains_for
 
 
+@pytest.mark.vllm_range
 def test_greedy_output_identical_with_edsd(models, eager_run, baseline):
     """Lossless, and the drafts are the reference model's (loaded from the training checkpoint
     the served drafter was converted from), not just any drafts."""

@@ -32,7 +32,7 @@ from vllm_edsd.serving import adaptive
 logger = logging.getLogger("vllm_edsd")
 
 METHOD = "edsd"
-SUPPORTED_VLLM = ((0, 32), (0, 34))  # [0.32, 0.34)
+SUPPORTED_VLLM = ((0, 24), (0, 34))  # [0.24, 0.34): both ends checked (CPU 0.27 in CI, GPU 0.26)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 _MODEL_CLASS = "vllm_edsd.serving.vllm_model:EDSDLlamaForCausalLM"
 _installed = False
@@ -50,6 +50,11 @@ def version_supported(version: str) -> bool:
         return False
     minor = (int(match.group(1)), int(match.group(2)))
     return SUPPORTED_VLLM[0] <= minor < SUPPORTED_VLLM[1]
+
+
+def _range_message(version: str) -> str:
+    lo, hi = SUPPORTED_VLLM
+    return f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; the installed vLLM is {version}"
 
 
 def _is_hub_id(model: str) -> bool:
@@ -70,11 +75,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
     """
     version = vllm_version()
     if not version_supported(version):
-        lo, hi = SUPPORTED_VLLM
-        raise EDSDError(
-            f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; "
-            f"the installed vLLM is {version}"
-        )
+        raise EDSDError(_range_message(version))
     unknown = sorted(set(kwargs) - known_fields)
     if unknown:
         raise EDSDError(
@@ -210,10 +211,7 @@ def _wrap_engine_config() -> None:
 def _wrap_proposer_loading() -> None:
     """After vLLM's V1 EAGLE proposer loads its model, hook it for the adaptive draft length
     (``adaptive.attach`` leaves every other proposer alone)."""
-    try:
-        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer as proposer_class
-    except ImportError:  # before vLLM 0.32 the EAGLE proposer had no base class
-        from vllm.v1.spec_decode.eagle import EagleProposer as proposer_class
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
     def make(original: Callable) -> Callable:
         def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -222,7 +220,7 @@ def _wrap_proposer_loading() -> None:
 
         return load_model
 
-    _replace_method(proposer_class, "load_model", make)
+    _replace_method(SpecDecodeBaseProposer, "load_model", make)
 
 
 def install() -> None:
@@ -239,7 +237,4 @@ def install() -> None:
     _wrap_engine_config()
     _wrap_proposer_loading()
     if not version_supported(vllm_version()):
-        logger.warning(
-            "vllm-edsd: vLLM %s is outside the supported range 0.32-0.33; \"method\": \"edsd\" is refused",
-            vllm_version(),
-        )
+        logger.warning("vllm-edsd: %s; \"method\": \"edsd\" is refused", _range_message(vllm_version()))

@@ -204,9 +204,10 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
         maps them onto the attention layer when it is)."""
         if name.endswith(ROPE_CACHES):
             return None, None
-        param = _CHECKPOINT_TO_PARAMS.map_name(name)
-        if param is None:
+        mapped = _CHECKPOINT_TO_PARAMS.apply_list([name])  # the one lookup vLLM 0.24-0.33 all have
+        if not mapped:
             return None, None
+        param = mapped[0]
         if KV_SCALE.search(param):
             return maybe_remap_kv_scale_name(param, params), None
         for unfused, (fused, shard) in _STACKED.items():
