@@ -34,7 +34,7 @@ def _install_recorder(worker) -> None:
     original = drafter.propose
 
     def propose(*args, **kwargs):
-        # A tensor (V1; V2 on the device), or one list per request (adaptive length).
+        # A tensor (V1 and V2), or one list per request (adaptive length).
         draft = original(*args, **kwargs)
         if not kwargs.get("dummy_run", False):  # V2's warm-up and padding runs draft nothing real
             drafter._edsd_recorded.append(draft if isinstance(draft, list) else draft.tolist())
