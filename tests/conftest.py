@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,22 @@ def edsd_spec(drafter, k: int = 4, **extra) -> dict:
     return {"method": "edsd", "model": str(drafter), "num_speculative_tokens": k, **extra}
 
 
+def drafting_steps(prompt: list[int], output: list[int], recorded: list) -> Iterator[tuple[int, list[int], int]]:
+    """The draft steps of one recorded request (one request at a time): (context length,
+    draft chain, drafts accepted). A draft is accepted where it equals the token the engine
+    emitted (at temperature > 0 too: a rejected draft's replacement never equals it)."""
+    context = len(prompt) + 1  # prompt plus the token sampled at prefill
+    for step in recorded:
+        assert len(step) == 1, "one request at a time"
+        draft = step[0]
+        accepted = 0
+        while (accepted < len(draft) and context + accepted < len(prompt) + len(output)
+               and draft[accepted] == output[context - len(prompt) + accepted]):
+            accepted += 1
+        yield context, draft, accepted
+        context += accepted + 1
+
+
 def assert_drafts_match(prompts: list[list[int]], phase: dict, chains_for, k: int) -> int:
     """Every chain vLLM drafted in a recorded phase (one request at a time) equals
     ``chains_for(sequence)[p]``, the chain drafted from the context that ends at index p+1 of
@@ -108,18 +125,11 @@ def assert_drafts_match(prompts: list[list[int]], phase: dict, chains_for, k: in
     compared = 0
     for prompt, output, recorded in zip(prompts, phase["outputs"], phase["proposals"]):
         chains = chains_for(torch.tensor([prompt + output]))
-        context = len(prompt) + 1  # prompt plus the token sampled at prefill
-        for step in recorded:
-            assert len(step) == 1, "one request at a time"
-            draft, expected = step[0], chains[context - 2]
+        for context, draft, _accepted in drafting_steps(prompt, output, recorded):
+            expected = chains[context - 2]
             assert draft == (expected.tolist() if isinstance(expected, torch.Tensor) else expected), \
                 f"step at context length {context}"
             compared += 1
-            accepted = 0
-            while (accepted < min(k, len(draft)) and context + accepted < len(prompt) + len(output)
-                   and draft[accepted] == output[context - len(prompt) + accepted]):
-                accepted += 1
-            context += accepted + 1
     return compared
 
 

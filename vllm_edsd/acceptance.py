@@ -4,6 +4,10 @@ A serving engine drafts K tokens after the context x_0..x_c, the target accepts 
 drafts that equal its own next tokens x_{c+1}.., adds one token of its own, and drafts again.
 Given the whole greedy sequence, this replays that loop with any proposal function, so the
 counts it predicts are the ones vLLM's ``vllm:spec_decode_*`` counters must show.
+
+At temperature > 0 with sampled drafts, vLLM's rejection sampler accepts a first draft drawn
+from the drafter's q with probability Σ_x min(p(x), q(x)) (p: the target's distribution);
+``first_draft_acceptance`` computes that for every context of a sequence.
 """
 
 from __future__ import annotations
@@ -70,3 +74,19 @@ def predict(drafter, target_model, generations: list[tuple[list[int], list[int]]
         # Row p drafts after the context x_0..x_{p+1}: the context ending at c is row c - 1.
         results.append(replay(sequence, len(prompt), k, lambda c: chains[0, c - 1, :lengths[c - 1]].tolist()))
     return total(results)
+
+
+@torch.no_grad()
+def first_draft_acceptance(drafter, target_model, sequence: Sequence[int], temperature: float = 1.0) -> torch.Tensor:
+    """For each context x_0..x_{p+1} of ``sequence`` (row p, as in ``predict``), the
+    probability that a first draft sampled from the drafter at ``temperature`` is accepted:
+    Σ_x min(p_target(x), q_draft(x)), both distributions at ``temperature``."""
+    layer_ids = drafter.config.aux_layer_ids
+    ids = torch.tensor([list(sequence)])
+    outputs = run_target(target_model, ids, layer_ids)
+    features = outputs.features(layer_ids).to(next(drafter.parameters()).dtype)
+    q = torch.softmax(drafter.first_draft_logits(features[:, :-1], ids[:, 1:]).float() / temperature, -1)
+    p = torch.softmax(outputs.logits[:, 1:] / temperature, -1)
+    draft_vocab = torch.arange(q.shape[-1])
+    p_on_draft_vocab = p[..., drafter.draft_to_target(draft_vocab)]
+    return torch.minimum(p_on_draft_vocab, q).sum(-1)[0]

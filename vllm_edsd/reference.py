@@ -253,6 +253,14 @@ class EDSDDraftModel(DraftHead):
             entropy.append(draft_entropy(logits))
         return torch.stack(chain, -1), torch.stack(entropy, -1)
 
+    @torch.no_grad()
+    def first_draft_logits(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the first draft step for every prefix [B, T, V_d]; rows
+        as in ``propose``."""
+        b, t = next_tokens.shape
+        positions = torch.arange(t, device=next_tokens.device).expand(b, t)
+        return self.step(self.project(features), next_tokens, positions, KeyValueSteps())[0]
+
     # ------------------------------------------------------------ weights
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors to save: everything but the embedding shared with the target."""

