@@ -94,6 +94,19 @@ def test_a_config_json_value_never_reaches_the_worker(models, tmp_path):
     assert AdaptiveDraftLength.of(hf_config) is None
 
 
+def test_the_plugins_settings_survive_the_trip_to_the_workers(models):
+    """What the plugin sets does reach the workers (pickled), and the config still hashes (JSON)."""
+    import copy
+    import pickle
+
+    config = engine_config(models["llama"], spec(models["llama-edsd"], adaptive_draft_length=True,
+                                                 adaptive_draft_threshold=0.25))
+    hf_config = config.speculative_config.draft_model_config.hf_config
+    for carried in (pickle.loads(pickle.dumps(hf_config)), copy.deepcopy(hf_config)):
+        assert AdaptiveDraftLength.of(carried) == AdaptiveDraftLength(0.25)
+    assert json.loads(hf_config.to_json_string())[CONFIG_ATTRIBUTE] == {"threshold": 0.25}
+
+
 @pytest.mark.parametrize("threshold", [0, 7, -1, float("nan"), "0.5", True])
 def test_threshold_is_validated_wherever_settings_are_made(threshold):
     with pytest.raises(EDSDError, match="a number between 0 and 1"):
@@ -111,15 +124,21 @@ def _during_conversion(action):
     return progress
 
 
-def test_a_directory_appearing_at_dst_is_never_deleted(training_ckpt, tmp_path):
-    dst = tmp_path / "out"
+def test_a_directory_appearing_at_dst_is_never_deleted(training_ckpt, tmp_path, monkeypatch):
+    """Someone creates DST while the output is being written (after every early check)."""
+    import safetensors.torch
 
-    def someone_else_writes():
-        dst.mkdir()
-        (dst / "theirs.txt").write_text("keep me")
+    dst, save_file_ = tmp_path / "out", safetensors.torch.save_file
 
-    with pytest.raises(EDSDError, match="out: already exists|appeared while"):
-        convert(training_ckpt, dst, progress=_during_conversion(someone_else_writes))
+    def someone_else_writes_first(*args, **kwargs):
+        if not dst.exists():
+            dst.mkdir()
+            (dst / "theirs.txt").write_text("keep me")
+        return save_file_(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", someone_else_writes_first)
+    with pytest.raises(EDSDError, match="out: already exists|appeared while the output was being written"):
+        convert(training_ckpt, dst)
     assert sorted(p.name for p in dst.iterdir()) == ["theirs.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"], "scratch left behind"
 
