@@ -37,6 +37,8 @@ def machine() -> dict:
     import vllm
 
     import vllm_edsd
+    from vllm_edsd.serving.engine import cpu_instruction_set
+    from vllm_edsd.serving.server import default_dtype
 
     accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
     processor = platform.processor() or platform.machine()
@@ -47,7 +49,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"processor": processor, "cores": os.cpu_count(), "accelerator": accelerator,
+    return {"processor": processor, "cpu_instruction_set": cpu_instruction_set(), "cores": os.cpu_count(),
+            "accelerator": accelerator, "default_dtype": default_dtype(),
             "vllm": vllm.__version__, "torch": torch.__version__, "vllm_edsd": vllm_edsd.__version__,
             "python": platform.python_version()}
 

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.server import running_server
+from vllm_edsd.serving.server import default_dtype, running_server
 
 from .offline import CATEGORIES, Setup, load_prompts, method_config
 
@@ -147,5 +147,6 @@ def latency(setup: Setup, rates: list[float], num_requests: int, max_users: int)
                 warm_up(base)
                 for qps in rates:
                     result = run_rate(base, prompts, qps, num_requests, max_users, setup.max_tokens, workdir)
-                    rows.append({"suite": "latency", "method": method, "k": k, "temperature": 0.0, **result})
+                    rows.append({"suite": "latency", "method": method, "k": k, "temperature": 0.0,
+                                 "dtype": default_dtype(), **result})
     return rows

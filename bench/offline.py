@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from vllm_edsd.data import load_humaneval
 from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
-from vllm_edsd.serving.engine import llm_session, spec_counters, speculative_config
+from vllm_edsd.serving.engine import engine_dtype, llm_session, spec_counters, speculative_config
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 # Methods that are another method's drafter under other serving settings: name -> (drafter's
@@ -99,7 +99,7 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
         tokens += sum(len(o.outputs[0].token_ids) for o in llm.chat(group, params, use_tqdm=False))
     elapsed = time.perf_counter() - start
     counters = spec_counters(llm) - before
-    return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
+    return {"dtype": engine_dtype(llm), "output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
             "tau": counters.mean_acceptance_length, "acceptance_per_pos": counters.acceptance_per_position,
             "drafts": counters.drafts, "draft_tokens": counters.draft_tokens,
             "mean_draft_length": counters.mean_draft_length}

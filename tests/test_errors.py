@@ -70,7 +70,7 @@ def drafters(models, tmp_path_factory) -> dict[str, str]:
         ("no_config", "no config.json"),
         ("broken_json", "invalid JSON"),
         ("training_layout", "edsd convert"),
-        ("missing_dir", "no such directory"),
+        ("missing_dir", "no such local directory"),
     ],
 )
 def test_bad_drafter_is_refused_with_a_clear_error(models, drafters, case, expected):
@@ -139,7 +139,7 @@ def test_missing_drafter_path_is_no_such_directory_not_a_download(models, tmp_pa
     else:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         model = "someone/edsd-drafter"
-    with pytest.raises(EDSDError, match=f"{model}: no such directory"):
+    with pytest.raises(EDSDError, match=f"no such local directory: {tmp_path}/{model}$"):
         engine_config(models["llama"], spec(model))
 
 

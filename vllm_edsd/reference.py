@@ -17,7 +17,6 @@ chain that a serving engine would draft there.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from torch import nn
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import LAYERNORM, EDSDConfig
-from vllm_edsd.formats.files import SAFETENSORS, cast_floating, iter_tensors, save_safetensors, tensor_shapes
+from vllm_edsd.formats.files import cast_floating, iter_tensors, tensor_shapes, write_checkpoint
 from vllm_edsd.formats.layouts import EDSD_TRAINING, Layout, check_tensors, is_side_tensor, read_drafter_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -281,10 +280,7 @@ class EDSDDraftModel(DraftHead):
         dtype = dtype or self.config.torch_dtype
         raw = layout.config_json(self.config.with_updates(torch_dtype=dtype))
         tensors = layout.rename_from_canonical(self.trainable_state_dict())
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        save_safetensors(cast_floating(tensors, DTYPES[dtype]), path / SAFETENSORS)
+        write_checkpoint(path, raw, cast_floating(tensors, DTYPES[dtype]))
 
     @classmethod
     def from_pretrained(

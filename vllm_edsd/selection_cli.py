@@ -13,6 +13,7 @@ from tqdm import tqdm
 from . import selection
 from vllm_edsd.formats.config import LAYER_INPUT
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.files import replace_file
 from .data import load_conversations, load_sharegpt, render_many
 from .target import decoder_of, fingerprint, load_target, run_target
 
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     scores = score_layers(model, sequences, args.seed, args.device)
     a, b, chosen = selection.select_layers(scores)
     result = {
-        "target": str(Path(args.target).resolve()),
+        "target": Path(args.target).resolve().name,  # descriptive: no directory of this machine
         "fingerprint": vars(fingerprint(model)),
         "samples": len(sequences),
         "max_length": args.max_length,
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         "aux_layer_id_convention": LAYER_INPUT,
         "chosen_by": chosen,
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    replace_file(args.out, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
     if args.plot:
         plot(scores, chosen, args.plot)
     print(f"{'layer':>5} {'curvature':>10} {'lidar':>8} {'entropy':>8}")

@@ -22,8 +22,10 @@ import torch
 from vllm_edsd import __version__
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import LAYER_ID_CONVENTIONS, SUPPORTED_DTYPES, EDSDConfig, TargetFingerprint, read_config_json
-from vllm_edsd.formats.files import SAFETENSORS, atomic_directory, cast_floating, iter_tensors, save_safetensors, tensor_shapes
+from vllm_edsd.formats.files import (SAFETENSORS, atomic_directory, cast_floating, finished_checkpoint, iter_tensors,
+                                     load_json, read_tensor, tensor_files, tensor_shapes, write_checkpoint)
 from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, ROPE_CACHES, Layout, check_tensors, detect_layout
+from vllm_edsd.formats.vocab import check_vocab_mapping
 from vllm_edsd.reference import DTYPES, token_norm
 
 TOKEN_NORM_PREFIX = "edfuse.token_norm."
@@ -84,21 +86,6 @@ def resolve_source(src: Path) -> Path:
     return max(saves)[1]
 
 
-def _check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, cfg: EDSDConfig, source: str) -> None:
-    """``draft id i`` maps to ``i + d2t[i]``; those ids must be exactly the True entries of t2d."""
-    if d2t.dtype not in (torch.int64, torch.int32) or t2d.dtype != torch.bool:
-        raise EDSDError(f"{source}: 'd2t' must be an integer tensor and 't2d' a bool tensor (got {d2t.dtype}, {t2d.dtype})")
-    ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
-    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-        raise EDSDError(f"{source}: 'd2t' maps draft ids outside the target vocabulary 0..{cfg.vocab_size - 1}")
-    if int(t2d.sum()) != cfg.draft_vocab_size:
-        raise EDSDError(
-            f"{source}: 't2d' marks {int(t2d.sum())} target ids but draft_vocab_size is {cfg.draft_vocab_size}"
-        )
-    if not torch.equal(ids, torch.nonzero(t2d).flatten()):
-        raise EDSDError(f"{source}: 'd2t' and 't2d' disagree: draft id i + d2t[i] must list the ids where t2d is true, ascending")
-
-
 def _target_fingerprint(target: str | Path) -> TargetFingerprint:
     raw = read_config_json(target)
     text = raw.get("text_config") or raw
@@ -109,10 +96,10 @@ def _target_fingerprint(target: str | Path) -> TargetFingerprint:
 
 
 def _target_embedding(target: str | Path) -> torch.Tensor:
-    """The target's input embedding table, read tensor by tensor from its checkpoint."""
-    for name, tensor in iter_tensors(target):
+    """The target's input embedding table, the one tensor read from its checkpoint."""
+    for name, file in tensor_files(target).items():
         if name.endswith("embed_tokens.weight") and "vision" not in name:
-            return tensor
+            return read_tensor(file, name)
     raise EDSDError(f"{target}: no '*embed_tokens.weight' tensor found in the target checkpoint")
 
 
@@ -142,23 +129,43 @@ CONVERTER_NAME = "vllm-edsd"
 WRITTEN_FILES = {"config.json", SAFETENSORS}
 
 
-def _check_replaceable(dst: Path) -> None:
-    """``--force`` replaces only a drafter this converter wrote, never another directory or file."""
+def _check_replaceable(found: Path, dst: Path) -> None:
+    """``--force`` replaces only a drafter this converter wrote (finished or cut off), never
+    another directory or file. ``found`` is what was at ``dst`` when the output was ready."""
     why = None
-    if not dst.is_dir():
+    if not found.is_dir() or found.is_symlink():
         why = "it is not a directory"
     else:
         try:
-            written_by = json.loads((dst / "config.json").read_text())["edsd_config"]["converter"]["name"]
-        except (OSError, ValueError, KeyError, TypeError):
+            written_by = load_json(found / "config.json")["edsd_config"]["converter"]["name"]
+        except (EDSDError, OSError, KeyError, TypeError):
             written_by = None
-        others = sorted(p.name for p in dst.iterdir() if p.name not in WRITTEN_FILES)
+        others = sorted(p.name for p in found.iterdir() if p.name not in WRITTEN_FILES)
         if written_by != CONVERTER_NAME:
             why = "it is not a drafter written by edsd convert"
         elif others:
             why = f"it holds files edsd convert does not write ({', '.join(others[:3])})"
     if why:
         raise EDSDError(f"{dst}: refusing to replace it with --force: {why}; remove it yourself or choose another DST")
+
+
+def _check_destination(dst: Path, force: bool) -> None:
+    """Refuse early what the final rename would refuse, before the work."""
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if force:
+        _check_replaceable(dst, dst)
+    elif dst.is_dir() and (dst / "config.json").is_file() and not finished_checkpoint(dst):
+        raise EDSDError(f"{dst}: holds an unfinished output (a config.json without its weights, from an "
+                        "interrupted run); use --force to replace it")
+    else:
+        raise EDSDError(f"{dst}: already exists (use --force to replace it)")
+
+
+def provenance(path: Path) -> str:
+    """A source directory as recorded in an output: its last two path components, descriptive
+    without naming the machine's directories."""
+    return "/".join(path.resolve().parts[-2:])
 
 
 def _source_layout(src: Path, raw: dict, shapes: dict) -> Layout:
@@ -190,10 +197,7 @@ def convert(
         raise EDSDError(f"--layer-id-convention {layer_id_convention!r}: choose from {', '.join(LAYER_ID_CONVENTIONS)}")
     if fold_token_norm and target is None:
         raise EDSDError("--fold-token-norm needs --target: the folded table is built from the target's embedding")
-    if dst.exists():
-        if not force:
-            raise EDSDError(f"{dst}: already exists (use --force to replace it)")
-        _check_replaceable(dst)
+    _check_destination(dst, force)
     raw = read_config_json(src)
     shapes = tensor_shapes(src)
     layout = _source_layout(src, raw, shapes)
@@ -222,8 +226,7 @@ def convert(
             if not torch.isfinite(tensor).all():
                 raise EDSDError(f"{source}: tensor '{name}' contains NaN or Inf")
         tensors[layout.names.to_canonical(name)] = tensor
-    if "d2t" in tensors:
-        _check_vocab_mapping(tensors["d2t"], tensors["t2d"], cfg, source)
+    check_vocab_mapping(tensors.get("d2t"), tensors.get("t2d"), cfg.vocab_size, cfg.draft_vocab_size, source)
 
     own_embedding = tensors.pop(EMBEDDING, None)
     target_table = _target_embedding(target) if target is not None and (fold_token_norm or own_embedding is not None) else None
@@ -248,7 +251,7 @@ def convert(
         metadata={
             "converter": {"name": CONVERTER_NAME, "version": __version__},
             "source": {
-                "path": str(src.resolve()),
+                "path": provenance(src),
                 "layout": layout.name,
                 "aux_layer_ids": source_ids,
                 "aux_layer_id_convention": convention,
@@ -256,9 +259,8 @@ def convert(
         },
     )
     out = cast_floating(EDSD_VLLM.rename_from_canonical(tensors), DTYPES[out_dtype])
-    with atomic_directory(dst, force=force) as tmp:
-        save_safetensors(out, tmp / SAFETENSORS)
-        (tmp / "config.json").write_text(json.dumps(EDSD_VLLM.config_json(cfg), indent=2) + "\n")
+    with atomic_directory(dst, force=force, replaceable=_check_replaceable) as tmp:
+        write_checkpoint(tmp, EDSD_VLLM.config_json(cfg), out)
     return Summary(
         src=source, dst=str(dst), layout=layout.describe, dtype=out_dtype,
         parameters=sum(t.numel() for n, t in out.items() if t.is_floating_point() and n != EMBEDDING),

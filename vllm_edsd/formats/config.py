@@ -9,13 +9,17 @@ vLLM plugin cannot disagree about one.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.files import load_json
+
+# No size, count or constant of a drafter reaches 2**31: a larger one is a typo or an attack,
+# and would overflow an int32 index or an allocation further on.
+MAX_FIELD = 2**31
 
 LAYER_INPUT = "layer_input"  # EAGLE / vLLM / SGLang: id l = input of decoder layer l
 LAYER_OUTPUT = "layer_output"  # SpecForge: id l = output of decoder layer l = vLLM id l+1
@@ -53,15 +57,26 @@ class TargetFingerprint:
         )
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "TargetFingerprint | None":
-        if not d:
+    def from_dict(cls, d: Any, source: str = "edsd_config.target") -> "TargetFingerprint | None":
+        """The fingerprint a drafter's config records; a malformed one is refused by name."""
+        if d is None or d == {}:
             return None
-        return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            num_hidden_layers=d.get("num_hidden_layers"),
-            model_type=d.get("model_type"),
-        )
+        if not isinstance(d, dict):
+            raise EDSDError(f"{source}: must be an object with vocab_size and hidden_size, got {d!r:.80}")
+
+        def size(key: str, required: bool = True) -> int | None:
+            value = d.get(key)
+            if value is None and not required:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_FIELD:
+                raise EDSDError(f"{source}: field '{key}' must be a positive integer below 2**31, got {value!r:.80}")
+            return value
+
+        model_type = d.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise EDSDError(f"{source}: field 'model_type' must be a string, got {model_type!r:.80}")
+        return cls(vocab_size=size("vocab_size"), hidden_size=size("hidden_size"),
+                   num_hidden_layers=size("num_hidden_layers", required=False), model_type=model_type)
 
 
 @dataclass(frozen=True)
@@ -121,8 +136,10 @@ class EDSDConfig:
                 raise EDSDError(f"{source}: field '{where}{key}' must be an integer, got {value!r}")
             if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise EDSDError(f"{source}: field '{where}{key}' must be a number, got {value!r}")
-            if kind in (int, float) and value <= 0:
+            if kind in (int, float) and not value > 0:  # NaN too
                 raise EDSDError(f"{source}: field '{where}{key}' must be positive, got {value!r}")
+            if kind in (int, float) and not value < MAX_FIELD:  # inf, and sizes that overflow further on
+                raise EDSDError(f"{source}: field '{where}{key}' must be below 2**31, got {value!r:.40}")
             return value
 
         def optional(block: dict, key: str, kind: type, default: Any, where: str = "") -> Any:
@@ -208,7 +225,7 @@ class EDSDConfig:
             hidden_act=act,
             token_norm_folded=folded,
             torch_dtype=dtype,
-            target=TargetFingerprint.from_dict(edsd.get("target")),
+            target=TargetFingerprint.from_dict(edsd.get("target"), f"{source}: field 'edsd_config.target'"),
             metadata={k: v for k, v in edsd.items() if k in ("converter", "source")},
         )
 
@@ -360,14 +377,18 @@ def rope_parameters_of(raw: dict, source: str = "config.json") -> dict:
     ``rope_scaling``) config, normalised to the transformers 5 form."""
     params = raw.get("rope_parameters")
     if params is None:
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+        params = raw.get("rope_scaling") or {}
+        if not isinstance(params, dict):
+            raise EDSDError(f"{source}: field 'rope_scaling' must be an object, got {params!r:.80}")
+        params = {"rope_theta": raw.get("rope_theta", 10000.0), **params}
+    if not isinstance(params, dict):
+        raise EDSDError(f"{source}: field 'rope_parameters' must be an object, got {params!r:.80}")
     params = dict(params)
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    if params["rope_type"] not in ("default", "llama3", "linear"):
+    if not isinstance(params["rope_type"], str) or params["rope_type"] not in ("default", "llama3", "linear"):
         raise EDSDError(
             f"{source}: rope type {params['rope_type']!r} is not supported by the EDSD draft layer "
             "(supported: default, llama3, linear)"
@@ -394,10 +415,7 @@ def read_config_json(path: str | Path) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise EDSDError(f"{path}: no config.json in this directory")
-    try:
-        raw = json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EDSDError(f"{cfg}: invalid JSON ({exc})") from None
+    raw = load_json(cfg)
     if not isinstance(raw, dict):
         raise EDSDError(f"{cfg}: expected a JSON object")
     return raw

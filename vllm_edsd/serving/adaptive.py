@@ -18,6 +18,7 @@ the cut lists. The entropy comes from the EDSD model's ``compute_logits``.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 
 from vllm_edsd.errors import EDSDError
+
+logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
 ENABLE = "adaptive_draft_length"
 THRESHOLD = "adaptive_draft_threshold"
@@ -35,11 +38,26 @@ DEFAULT_THRESHOLD = 0.1
 CONFIG_ATTRIBUTE = "edsd_adaptive_draft"
 
 
+class _Carried(dict):
+    """The settings as the plugin puts them on the drafter's hf_config. JSON writes a dict
+    subclass as a dict but never reads one back as this class, so a checkpoint's config.json
+    cannot forge it; pickling (to the workers) keeps it."""
+
+
 @dataclass(frozen=True)
 class AdaptiveDraftLength:
     """The validated ``adaptive_draft_*`` fields of an ``"edsd"`` speculative config."""
 
     threshold: float = DEFAULT_THRESHOLD
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1:  # NaN fails too
+            raise EDSDError(
+                f"speculative config: {THRESHOLD!r} is the predicted acceptance probability below which "
+                f"a request stops drafting: a number between 0 and 1 (exclusive), got {t!r}"
+            )
+        object.__setattr__(self, "threshold", float(t))
 
     @property
     def max_entropy(self) -> float:
@@ -58,23 +76,36 @@ class AdaptiveDraftLength:
             raise EDSDError(f"speculative config: {THRESHOLD!r} needs \"{ENABLE}\": true")
         if not enabled:
             return None
-        if threshold is None:
-            return cls()
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
-            raise EDSDError(
-                f"speculative config: {THRESHOLD!r} is the predicted acceptance probability below which "
-                f"a request stops drafting: a number between 0 and 1 (exclusive), got {threshold!r}"
-            )
-        return cls(float(threshold))
+        return cls() if threshold is None else cls(threshold)
 
     def as_dict(self) -> dict[str, float]:
-        return {"threshold": self.threshold}
+        """What ``CONFIG_ATTRIBUTE`` carries to the workers (see ``of``)."""
+        return _Carried(threshold=self.threshold)
 
     @classmethod
     def of(cls, hf_config: Any) -> "AdaptiveDraftLength | None":
-        """The settings a drafter's hf_config carries (see ``CONFIG_ATTRIBUTE``), if any."""
+        """The settings the plugin put on a drafter's hf_config, if any, validated again. A value
+        of the same name read from the checkpoint's config.json is ignored with a warning:
+        serving options come from the speculative config only."""
         raw = getattr(hf_config, CONFIG_ATTRIBUTE, None)
-        return None if raw is None else cls(**raw)
+        if raw is None:
+            return None
+        if not isinstance(raw, _Carried):
+            logger.warning("vllm-edsd: ignoring %r in the drafter's config.json: serving options come from the "
+                           "speculative config only", CONFIG_ATTRIBUTE)
+            return None
+        return cls(**raw)
+
+
+CHECKPOINT_KEYS = (CONFIG_ATTRIBUTE, *FIELDS)
+
+
+def refuse_checkpoint_settings(raw: dict, source: str) -> None:
+    """A drafter's config.json may not switch serving behaviour on: refuse it naming the key."""
+    found = [key for key in raw if key in CHECKPOINT_KEYS]
+    if found:
+        raise EDSDError(f"{source}: key {found[0]!r} is a serving option; it belongs in the speculative config "
+                        f"(\"{ENABLE}\", \"{THRESHOLD}\"), not in the drafter's config.json: remove it")
 
 
 def check_runner(use_v2_model_runner: bool, async_scheduling: bool) -> None:
@@ -153,6 +184,8 @@ def attach(proposer: Any) -> None:
     model = model.unwrap() if hasattr(model, "unwrap") else model
     if not isinstance(model, EDSDLlamaForCausalLM) or model.adaptive is None:
         return
+    if isinstance(getattr(proposer.propose, "__self__", None), AdaptiveProposer):
+        return  # hooked already (load_model called again): a second hook would wrap the first
     if getattr(proposer, "use_local_argmax_reduction", False):
         raise EDSDError(f"{ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
     data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1

@@ -33,6 +33,21 @@ def cpu_dtype() -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
+def engine_dtype(llm) -> str:
+    """The dtype an ``LLM``'s model computes in (``float32``, ``bfloat16``...)."""
+    return str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+
+def cpu_instruction_set() -> str:
+    """The CPU's widest matrix instructions, which decide bf16's speed and rounding here."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    found = [name for name in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if name in flags]
+    return " ".join(found) or "none of amx_bf16, avx512_bf16, avx512f, avx2"
+
+
 def use_cpu_workarounds() -> None:
     """Environment defaults for vLLM's CPU build, set before an engine (or server) starts.
 

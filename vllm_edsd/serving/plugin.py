@@ -26,7 +26,8 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import EDSDConfig, TargetFingerprint, read_config_json
 from vllm_edsd.formats.files import tensor_shapes
 from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, check_tensors, detect_layout
-from vllm_edsd.serving import adaptive, cpu_sampling
+from vllm_edsd.formats.vocab import check_checkpoint_vocab_mapping
+from vllm_edsd.serving import adaptive, cpu_sampling, preflight
 from vllm_edsd.serving.engine import on_cpu
 from vllm_edsd.serving.patching import Patch
 
@@ -99,8 +100,12 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
             "speculative config: method 'edsd' needs 'model': the directory of a converted EDSD drafter"
         )
     if _is_hub_id(model):
+        preflight.check_hub_drafter(model)
         return None
+    if not os.path.exists(model):
+        raise preflight.no_such_directory(model)
     raw = read_config_json(model)
+    adaptive.refuse_checkpoint_settings(raw, f"{model}/config.json")
     # Header-only reads: a broken checkpoint fails here, naming the tensor, rather than
     # deep inside an engine worker.
     shapes = tensor_shapes(model)
@@ -113,6 +118,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
         )
     drafter = EDSD_VLLM.read_config(raw, source=f"{model}/config.json")
     check_tensors(drafter, shapes, EDSD_VLLM, source=model)
+    check_checkpoint_vocab_mapping(model, drafter.vocab_size, drafter.draft_vocab_size)
     return drafter
 
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,14 +32,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def default_dtype() -> str:
+    """What a server started here computes in unless ``--dtype`` is passed: ``cpu_dtype()`` on
+    a CPU, else vLLM's ``auto`` (the target's own dtype)."""
+    return cpu_dtype() if on_cpu() else "auto"
+
+
 def server_command(target: str, spec: dict | None, port: int, extra_args: list[str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
            "--host", "127.0.0.1", "--port", str(port)]
     extra_args = list(extra_args or [])
     if on_cpu():
         cmd += ["--gpu-memory-utilization", str(CPU_MEMORY_FRACTION)]
-        if "--dtype" not in extra_args:
-            cmd += ["--dtype", cpu_dtype()]
+    if "--dtype" not in extra_args:
+        cmd += ["--dtype", default_dtype()]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
     return cmd + extra_args
@@ -94,8 +101,11 @@ def running_server(
     try:
         wait_until_healthy(base, proc, startup_timeout_s, log)
         yield base
+    except BaseException:  # interrupted or failed: someone is waiting, so a few seconds, then killed
+        stop_process_group(proc, grace_s=INTERRUPTED_GRACE_S)
+        raise
     finally:
-        stop_process_group(proc)
+        stop_process_group(proc)  # at once if stopped above
         log.close()
 
 
@@ -115,6 +125,31 @@ def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
         raise EDSDError(f"the server refused the request (HTTP {response.status_code}): "
                         f"{message or response.text.strip()[:500] or response.reason}")
     return reply
+
+
+INTERRUPTED_GRACE_S = 5
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends this process as Ctrl-C does, by a ``KeyboardInterrupt``, so that every
+    ``finally`` on the way out runs and stops the servers and engines it started (Python's
+    default SIGTERM ends the process at once and leaves them running). Later SIGTERMs are
+    ignored while that clean-up runs. Only the main thread can take signals: elsewhere this
+    does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -22,6 +22,7 @@ import torch
 
 from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.files import replace_file
 from ..data import load_conversations, load_sharegpt
 from ..reference import EDSDDraftModel
 from ..target import decoder_of, load_target
@@ -143,9 +144,7 @@ def regenerate(target: str, conversations: list, cache_dir: Path, max_tokens: in
             for i, reply in zip(active, replies):
                 out[i].append({"role": "assistant", "content": reply.outputs[0].text})
     cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache.with_suffix(".partial")
-    partial.write_text("".join(json.dumps(c) + "\n" for c in out if len(c) > 1))
-    partial.replace(cache)
+    replace_file(cache, lambda tmp: tmp.write_text("".join(json.dumps(c) + "\n" for c in out if len(c) > 1)))
     return [c for c in out if len(c) > 1]
 
 

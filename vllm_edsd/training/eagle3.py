@@ -8,14 +8,13 @@ its residual is ``h`` taken before ``hidden_norm``; there is no EDFuse.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from vllm_edsd.formats.config import EDSDConfig
-from vllm_edsd.formats.files import SAFETENSORS, cast_floating, save_safetensors
+from vllm_edsd.formats.files import cast_floating, write_checkpoint
 from vllm_edsd.formats.layouts import EAGLE3
 from vllm_edsd.reference import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
 
@@ -64,7 +63,4 @@ class Eagle3DraftModel(DraftHead):
         tensors = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
         if cfg.draft_vocab_size == cfg.vocab_size:  # vLLM then has no draft-to-target map to load
             tensors.pop("d2t"), tensors.pop("t2d")
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        save_safetensors(cast_floating(tensors, DTYPES[dtype]), path / SAFETENSORS)
+        write_checkpoint(path, raw, cast_floating(tensors, DTYPES[dtype]))

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..data import Conversation, render_many
+from ..formats.files import replace_file
 from ..target import run_target, token_entropy
 
 SHARD_SIZE = 64
@@ -84,9 +85,7 @@ def extract_features(
                     "target_argmax": argmax[row, :n].to(torch.int32).cpu(),
                     "target_entropy": entropy[row, :n].float().cpu(),
                 })
-        tmp = path.with_suffix(".tmp")
-        torch.save(records, tmp)
-        tmp.replace(path)
+        replace_file(path, lambda tmp: torch.save(records, tmp))
     return shards
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..errors import EDSDError
+from ..formats.files import replace_file
 from ..reference import KeyValueSteps
 from ..target import token_entropy
 from .features import iterate_batches
@@ -189,11 +190,9 @@ def train(
         }
         log.append(entry)
         save_checkpoint(model, out_dir / f"epoch_{epoch}")
-        partial = state_path.with_suffix(".partial")  # an interruption mid-write keeps the old state
-        torch.save({"recipe": asdict(recipe), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "generator": generator.get_state(), "rng": _rng_state(), "epoch": epoch, "log": log},
-                   partial)
-        partial.replace(state_path)
+        state = {"recipe": asdict(recipe), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "generator": generator.get_state(), "rng": _rng_state(), "epoch": epoch, "log": log}
+        replace_file(state_path, lambda tmp: torch.save(state, tmp))  # an interruption mid-write keeps the old state
         log_path.write_text("".join(json.dumps(e) + "\n" for e in log))  # the log of the saved state
     save_checkpoint(model, out_dir / "final")
     return log
