@@ -56,16 +56,27 @@ def total_variation(a: Counter, b: Counter) -> float:
     return 0.5 * sum(abs(a[c] / n_a - b[c] / n_b) for c in set(a) | set(b))
 
 
+# EDSD's engine also records its draft chains on a few prompts (one engine start for both tests).
+RECORDED = "recorded"
+
+
+def sampling_job(trained: dict, spec: dict | None) -> dict:
+    """SAMPLES continuations of one prompt at temperature 1; for EDSD also a recorded phase."""
+    phases = [{"name": "sampled", "prompts": [trained["prompts"][0]] * SAMPLES,
+               "sampling": {"temperature": 1.0, "max_tokens": CONTINUATION, "ignore_eos": True}}]
+    if spec is not None and spec["method"] == "edsd":
+        phases.append({"name": RECORDED, "prompts": trained["prompts"], "record_proposals": True,
+                       "sampling": {"temperature": 1.0, "max_tokens": 40, "ignore_eos": True}})
+    return {"target": trained["target"], "speculative_config": spec,
+            "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": phases}
+
+
 @pytest.fixture(scope="session")
 def sampled(trained, engine_runs):
-    """``sampled(key, spec, env)``: SAMPLES continuations of one prompt at temperature 1."""
+    """``sampled(key, spec, env)``: the phases of ``sampling_job`` by name."""
 
     def run(key: str, spec: dict | None, env: dict | None = None) -> dict:
-        job = {"target": trained["target"], "speculative_config": spec,
-               "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
-               "phases": [{"name": "sampled", "prompts": [trained["prompts"][0]] * SAMPLES,
-                           "sampling": {"temperature": 1.0, "max_tokens": CONTINUATION, "ignore_eos": True}}]}
-        return engine_runs(key, job, env)["phases"]["sampled"]
+        return engine_runs(key, sampling_job(trained, spec), env)["phases"]
 
     return run
 
@@ -144,8 +155,8 @@ def test_sampled_output_follows_the_target_distribution(trained, sampled, method
     """SAMPLES three-token continuations at T=1 with sampled drafts against the same without
     speculation: Pearson's chi-square homogeneity test must not reject at P_VALUE_FLOOR."""
     model = {"edsd": trained["edsd"], "eagle3": trained["eagle3"], "draft_model": trained["target"]}[method]
-    plain = continuations(sampled("t1-none", None))
-    speculated = continuations(sampled(f"t1-{method}", speculative(method, model)))
+    plain = continuations(sampled("t1-none", None)["sampled"])
+    speculated = continuations(sampled(f"t1-{method}", speculative(method, model))["sampled"])
     statistic, dof, p_value = chi_square_homogeneity(plain, speculated)
     assert len(plain) > 5, "the prompt's continuations must vary for the test to mean anything"
     assert p_value > P_VALUE_FLOOR, (
@@ -158,20 +169,20 @@ def test_the_distribution_test_detects_the_broken_expansion(trained, sampled):
     rejects: it can fail."""
     if not vllm_expansion_is_broken():
         pytest.skip("this vLLM's expansion is right: nothing to detect")
-    plain = continuations(sampled("t1-none", None))
+    plain = continuations(sampled("t1-none", None)["sampled"])
     broken = continuations(sampled("t1-draft_model-unrepaired", speculative("draft_model", trained["target"]),
-                                   env={"VLLM_EDSD_DISABLE": "1"}))
+                                   env={"VLLM_EDSD_DISABLE": "1"})["sampled"])
     _statistic, _dof, p_value = chi_square_homogeneity(plain, broken)
     assert p_value < P_VALUE_FLOOR
 
 
 def test_target_drafting_for_itself_accepts_its_sampled_drafts(trained, sampled):
-    counters = sampled("t1-draft_model", speculative("draft_model", trained["target"]))["counters"]
+    counters = sampled("t1-draft_model", speculative("draft_model", trained["target"]))["sampled"]["counters"]
     assert counters["drafts"] > 100
     assert counters["accepted"] >= 0.95 * counters["draft_tokens"], counters
 
 
-def test_edsd_sampled_acceptance_matches_the_reference(trained, engine_runs):
+def test_edsd_sampled_acceptance_matches_the_reference(trained, sampled):
     """Each recorded draft step's first draft is accepted with probability Σ min(p, q) (the
     reference model's target and drafter at T=1). The accepted count must lie within three
     standard deviations of that sum's expectation, plus 2% of the steps for float32 rounding
@@ -180,11 +191,7 @@ def test_edsd_sampled_acceptance_matches_the_reference(trained, engine_runs):
     from vllm_edsd.reference import EDSDDraftModel
     from vllm_edsd.target import load_target
 
-    job = {"target": trained["target"], "speculative_config": speculative("edsd", trained["edsd"]),
-           "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
-           "phases": [{"name": "sampled", "prompts": trained["prompts"], "record_proposals": True,
-                       "sampling": {"temperature": 1.0, "max_tokens": 40, "ignore_eos": True}}]}
-    phase = engine_runs("t1-edsd-recorded", job)["phases"]["sampled"]
+    phase = sampled("t1-edsd", speculative("edsd", trained["edsd"]))[RECORDED]
     target = load_target(trained["target"])
     drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
     steps = accepted = 0
