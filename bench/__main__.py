@@ -17,7 +17,7 @@ from pathlib import Path
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
 
-from .offline import VARIANTS, Setup, acceptance, drafter_method, robustness, throughput
+from .offline import TRAINING_FREE, VARIANTS, Setup, acceptance, drafter_method, robustness, throughput
 from .report import plots, render
 
 SUITES = ("acceptance", "throughput", "latency", "robustness")
@@ -65,8 +65,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", help="target model (default: the embedded demo target)")
     parser.add_argument("--edsd", help="EDSD drafter, vLLM layout (default: the demo's)")
     parser.add_argument("--eagle3", help="EAGLE-3 drafter (default: the demo's)")
-    parser.add_argument("--methods", default="none,eagle3,edsd",
-                        help="comma-separated: none, eagle3, edsd, and EDSD served as edsd-adaptive "
+    parser.add_argument("--methods", default="none,ngram,eagle3,edsd",
+                        help="comma-separated: none, ngram (vLLM's prompt lookup, no drafter), eagle3, edsd, "
+                             "and EDSD served as edsd-adaptive "
                              "(entropy-adaptive draft length) or edsd-batch-table (vLLM's K-by-batch-size table)")
     parser.add_argument("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
                         help=f"edsd-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")
@@ -98,10 +99,11 @@ def build_setup(args: argparse.Namespace) -> Setup:
         target = paths["target"]
         drafters = {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters
     requested = args.methods.split(",")
-    unknown = sorted(set(requested) - {"none", "eagle3", "edsd", *VARIANTS})
+    known = ("none", *TRAINING_FREE, "eagle3", "edsd", *VARIANTS)
+    unknown = sorted(set(requested) - set(known))
     if unknown:
-        raise EDSDError(f"unknown method(s) {', '.join(unknown)}; choose from none, eagle3, edsd, {', '.join(VARIANTS)}")
-    methods = [m for m in requested if m == "none" or drafter_method(m) in drafters]
+        raise EDSDError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    methods = [m for m in requested if m == "none" or m in TRAINING_FREE or drafter_method(m) in drafters]
     if "edsd-batch-table" in methods and not batch_table_supported():
         methods.remove("edsd-batch-table")
         print("skipping edsd-batch-table: this vLLM has no num_speculative_tokens_per_batch_size", file=sys.stderr)

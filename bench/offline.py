@@ -30,6 +30,11 @@ VARIANTS = {
 }
 
 
+# Methods that need no drafter: vLLM's prompt lookup, the baseline a user tries before training
+# anything (n-grams of 2 to 4 tokens, as vLLM's examples use; vLLM's own default is 5 to 5).
+TRAINING_FREE = {"ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+
+
 def drafter_method(method: str) -> str:
     """The method whose drafter ``method`` serves (itself unless it is a variant)."""
     return VARIANTS[method][0] if method in VARIANTS else method
@@ -73,6 +78,9 @@ def method_config(setup: Setup, method: str, k: int, **extra) -> dict | None:
     """The speculative config of (method, K), variants resolved to their drafter's method."""
     if method == "none":
         return None
+    if method in TRAINING_FREE:  # no drafter and no draft probabilities
+        extra.pop("draft_sample_method", None)
+        return speculative_config(method, None, k, **TRAINING_FREE[method], **extra)
     base = drafter_method(method)
     if method in VARIANTS:
         extra.update(VARIANTS[method][1](k, setup.adaptive_threshold))

@@ -9,25 +9,20 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from bench.latency import NOT_COMPLETED, aggregate, poisson_schedule, summary
 from bench.offline import with_speedup
 from bench.report import render
-from vllm_edsd.formats.config import EDSDConfig
-from vllm_edsd.toy import target_config
-from vllm_edsd.training.eagle3 import Eagle3DraftModel
 
 
 @pytest.fixture(scope="module")
 def bench_run(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
-    cfg = EDSDConfig.for_target(target_config(models["llama"]), (1, 3), draft_vocab_size=512)
-    torch.manual_seed(0)
-    Eagle3DraftModel(cfg, (1, 2, 3)).save_pretrained(root / "eagle3")
     out = root / "out"
+    # The training-free baseline and EDSD; eagle3 is served by the same code path as edsd (vLLM's
+    # EAGLE-3 machinery) and is left out to keep CI's engine count.
     cmd = [sys.executable, "-m", "bench", "all", "--quick", "--out", str(out), "--target", models["llama"],
-           "--edsd", models["llama-edsd"], "--eagle3", str(root / "eagle3")]
+           "--edsd", models["llama-edsd"], "--methods", "none,ngram,edsd"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -39,7 +34,7 @@ def test_all_suites_and_methods_present(bench_run):
     assert results["failed_suites"] == {}
     assert {r["suite"] for r in runs} == {"acceptance", "throughput", "latency", "robustness"}
     for suite in ("acceptance", "throughput", "latency"):
-        assert {r["method"] for r in runs if r["suite"] == suite} == {"none", "eagle3", "edsd"}
+        assert {r["method"] for r in runs if r["suite"] == suite} == {"none", "ngram", "edsd"}
     assert {r["system_prompt"] for r in runs if r["suite"] == "robustness"} == {"default", *(f"system-{i}" for i in range(10))}
     assert {r["category"] for r in runs if r["suite"] == "acceptance"} == {"chat", "code", "math", "instruction", "summarization"}
     assert set(results["machine"]) >= {"processor", "cores", "vllm", "torch", "vllm_edsd"}
