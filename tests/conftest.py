@@ -143,6 +143,12 @@ def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: 
 
 
 FITTED_TOKENS = 40
+MAX_MODEL_LEN = 256
+# 10 blocks of 32 tokens (the CPU attention's block size is a multiple of 32) hold 320 tokens:
+# eight FITTED_TOKENS requests on the fitted target start in about 10 blocks and grow to 19
+# together, so the scheduler must preempt, while any one of them fits (vLLM refuses a cache
+# that cannot hold max_model_len).
+SMALL_CACHE = {"block_size": 32, "num_gpu_blocks_override": 10, "max_model_len": MAX_MODEL_LEN}
 # The OpenAI server on the fitted target: float32 and eager like the reference.
 SERVER_ARGS = ["--served-model-name", "toy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
 

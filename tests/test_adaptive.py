@@ -13,7 +13,7 @@ import torch
 
 import requests
 
-from conftest import FITTED_TOKENS, SERVER_ARGS, assert_counters_match, assert_drafts_match, completion_token_ids, \
+from conftest import FITTED_TOKENS, SERVER_ARGS, SMALL_CACHE, assert_counters_match, assert_drafts_match, completion_token_ids, \
     drafting_engines, edited_copy, greedy_phase, predicted_counters, serve_fitted
 from vllm_edsd.acceptance import kept_lengths
 from vllm_edsd.reference import EDSDDraftModel
@@ -154,3 +154,21 @@ def test_server_with_two_data_parallel_engines(trained, max_entropy, plain_outpu
     predicted = predicted_counters(trained, outputs, K, max_entropy)
     assert_counters_match(predicted, measured)
     assert predicted.draft_tokens == pytest.approx(measured["draft_tokens"], rel=0.02)
+
+
+def test_preempted_requests_keep_their_cut_drafts_lossless(trained, engine_runs, max_entropy, plain_outputs):
+    """A KV cache too small for the eight requests at once: the scheduler preempts some, drops
+    their pending (cut) drafts and recomputes them later. The output is the target's own and
+    the counters are the reference's prediction under the rule, less at most one draft per
+    preemption."""
+    job = {"target": trained["target"], "speculative_config": adaptive_spec(trained["edsd"], max_entropy),
+           "llm_kwargs": {"enforce_eager": True, "dtype": "float32", **SMALL_CACHE},
+           "phases": [greedy_phase("crowded", trained["prompts"], FITTED_TOKENS)]}
+    crowded = engine_runs("fitted-edsd-adaptive-preempted", job)["phases"]["crowded"]
+    preempted, measured = crowded["preemptions"], crowded["counters"]
+    assert preempted > 0, "the cache was large enough: nothing was preempted"
+    assert crowded["outputs"] == plain_outputs
+    predicted = predicted_counters(trained, crowded["outputs"], K, max_entropy)
+    assert predicted.drafts - preempted <= measured["drafts"] <= predicted.drafts
+    assert abs(predicted.draft_tokens - measured["draft_tokens"]) <= 0.02 * measured["draft_tokens"] + K * preempted
+    assert 0 < measured["draft_tokens"] < K * measured["drafts"], "the rule cut nothing, or drafted nothing"

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FITTED_TOKENS, greedy_phase, predicted_counters, serve_fitted
+from conftest import (
+    FITTED_TOKENS,
+    MAX_MODEL_LEN,
+    SMALL_CACHE,
+    drafting_steps,
+    greedy_phase,
+    predicted_counters,
+    serve_fitted,
+)
 
 K = 4
-MAX_MODEL_LEN = 256
-# 10 blocks of 32 tokens (the CPU attention's block size is a multiple of 32) hold 320 tokens:
-# the eight requests start in about 10 blocks and grow to 19 together, while any one of them
-# fits (vLLM refuses a cache that cannot hold max_model_len).
-SMALL_CACHE = {"block_size": 32, "num_gpu_blocks_override": 10, "max_model_len": MAX_MODEL_LEN}
 EDGE_TOKENS = 16
 
 
@@ -29,14 +32,17 @@ def runs(trained, engine_runs) -> dict:
     """The same phases on the small cache without and with EDSD: crowded (eight requests
     that must preempt), edge (prompts at max_model_len), and crowded again afterwards."""
     plain_outputs = serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
-    phases = [
-        greedy_phase("crowded", trained["prompts"], max_tokens=FITTED_TOKENS),
-        greedy_phase("edge", edge_prompts(trained, plain_outputs), max_tokens=EDGE_TOKENS),
-        greedy_phase("after", trained["prompts"], max_tokens=FITTED_TOKENS),
-    ]
     spec = {"method": "edsd", "model": trained["edsd-folded"], "num_speculative_tokens": K}
     out = {}
     for name, speculative_config in (("plain", None), ("edsd", spec)):
+        phases = [
+            greedy_phase("crowded", trained["prompts"], max_tokens=FITTED_TOKENS),
+            # The edge phase records each draft chain (one request at a time) to show drafts
+            # proposed past max_model_len.
+            greedy_phase("edge", edge_prompts(trained, plain_outputs), max_tokens=EDGE_TOKENS,
+                         record_proposals=speculative_config is not None),
+            greedy_phase("after", trained["prompts"], max_tokens=FITTED_TOKENS),
+        ]
         job = {"target": trained["target"], "speculative_config": speculative_config,
                "llm_kwargs": {"enforce_eager": True, "dtype": "float32", **SMALL_CACHE}, "phases": phases}
         out[name] = engine_runs(f"faults-{name}", job)["phases"]
@@ -59,12 +65,17 @@ def test_preempted_requests_stay_lossless(trained, runs):
     assert measured["accepted_per_pos"][0] > 0.05 * measured["drafts"]
 
 
-def test_prompts_at_max_model_len_with_drafts_in_flight(runs):
-    """A request stops at max_model_len however many drafts were proposed past it."""
+def test_prompts_at_max_model_len_with_drafts_in_flight(trained, runs):
+    """A request stops at max_model_len however many drafts were proposed past it: some
+    recorded chain reaches beyond the limit (context + drafts > max_model_len)."""
     edge = runs["edsd"]["edge"]
     assert [len(out) for out in edge["outputs"]] == list(range(1, 7))
     assert edge["outputs"] == runs["plain"]["edge"]["outputs"]
     assert edge["counters"]["drafts"] > 0
+    prompts = edge_prompts(trained, runs["plain_outputs"])
+    reach = [context + len(draft) for prompt, output, recorded in zip(prompts, edge["outputs"], edge["proposals"])
+             for context, draft, _ in drafting_steps(prompt, output, recorded)]
+    assert reach and max(reach) > MAX_MODEL_LEN, f"no draft chain reached past max_model_len: {reach}"
 
 
 def test_engine_keeps_serving_after_faults(runs):

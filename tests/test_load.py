@@ -16,6 +16,7 @@ import requests
 
 from bench.latency import aggregate, poisson_schedule, run_locust
 from conftest import processes_with
+from vllm_edsd.serving.engine import SpecCounters, parse_prometheus_counters
 from vllm_edsd.serving.server import running_server
 
 MAX_TOKENS = 64
@@ -76,6 +77,10 @@ def metric_sum(base: str, prefixes: tuple[str, ...]) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefixes))
 
 
+def spec_counters(base: str) -> SpecCounters:
+    return parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
+
+
 def settled(base: str, limit_s: float = 30) -> bool:
     """Whether the engine reports nothing running or waiting (vLLM's gauges on /metrics, set
     after each step) within ``limit_s``."""
@@ -89,6 +94,7 @@ def settled(base: str, limit_s: float = 30) -> bool:
 
 def assert_lossless(records: list[dict], chats: list[list[dict]], expected: list[list[int]]) -> None:
     for record in records:
+        assert record["token_ids"], f"request {record['id']} came back without tokens"
         assert record["token_ids"] == expected[record["id"] % len(chats)], f"request {record['id']}"
 
 
@@ -97,6 +103,7 @@ def test_soak_at_and_above_saturation(edsd_server, chats, without_speculation, t
     then open-loop Poisson arrivals at that rate and at twice it, a minute each: no request
     fails, every reply is the one without speculation, and the server's memory stays bounded."""
     base, marker = edsd_server
+    before = spec_counters(base)
     burst = len(chats) * 8
     records = run_locust(base, [chats[i % len(chats)] for i in range(burst)], [0.0] * burst, MAX_TOKENS,
                          MAX_USERS, tmp_path, "burst")
@@ -105,6 +112,7 @@ def test_soak_at_and_above_saturation(edsd_server, chats, without_speculation, t
     busy_s = max(r["start_s"] + r["e2e_s"] for r in records) - min(r["start_s"] for r in records)
     saturation_qps = burst / busy_s
     report = {"saturation_qps": round(saturation_qps, 2), "rss_mib": {"warm": rss_mib(marker)}}
+    assert len(report["rss_mib"]["warm"]) >= 2, f"the server's processes were not found: {report['rss_mib']}"
     for load in (1, 2):
         qps = load * saturation_qps
         n = math.ceil(qps * SOAK_S)
@@ -118,6 +126,9 @@ def test_soak_at_and_above_saturation(edsd_server, chats, without_speculation, t
         report["rss_mib"][f"{load}x"] = rss_mib(marker)
     print("soak:", json.dumps(report))
     rss = {phase: sum(sizes.values()) for phase, sizes in report["rss_mib"].items()}
+    assert all(report["rss_mib"].values()), f"a phase found none of the server's processes: {report['rss_mib']}"
+    counters = spec_counters(base) - before
+    assert counters.drafts > 0 and counters.accepted > 0.05 * counters.drafts, f"the EDSD server's counters: {counters}"
     # The worker's memory grows during its first minute under load (oneDNN and allocator caches
     # for the batch shapes it meets: +463 MiB on the CI machine) and then levels off; a leak
     # would go on growing through the minute at twice the load.
