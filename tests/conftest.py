@@ -330,3 +330,25 @@ def drafting_engines(metrics: str) -> set[str]:
     """The engine indices whose ``/metrics`` series count at least one draft."""
     return {line.split('engine="', 1)[1].split('"', 1)[0] for line in metrics.splitlines()
             if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0}
+
+
+def abandon_streams(url: str, bodies: list[dict], chunks: int = 4) -> list[int]:
+    """Stream each request body (in parallel) and close the connection after ``chunks`` chunks,
+    as a client that walks away does; returns how many chunks each read."""
+    import threading
+
+    import requests
+
+    read: list[int] = []
+
+    def walk_away(body: dict) -> None:
+        with requests.post(url, json={**body, "stream": True}, stream=True, timeout=60) as reply:
+            read.append(sum(1 for _, line in zip(range(chunks), reply.iter_lines()) if line))
+        # leaving the block closes the connection: the server sees the client gone
+
+    threads = [threading.Thread(target=walk_away, args=(body,)) for body in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return read

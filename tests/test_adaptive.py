@@ -13,7 +13,7 @@ import torch
 
 import requests
 
-from conftest import FITTED_TOKENS, SERVER_ARGS, SMALL_CACHE, assert_counters_match, assert_drafts_match, completion_token_ids, \
+from conftest import FITTED_TOKENS, SERVER_ARGS, SMALL_CACHE, abandon_streams, assert_counters_match, assert_drafts_match, completion_token_ids, \
     drafting_engines, edited_copy, greedy_phase, predicted_counters, serve_fitted
 from vllm_edsd.acceptance import kept_lengths
 from vllm_edsd.reference import EDSDDraftModel
@@ -142,12 +142,18 @@ def test_uncertain_drafter_drafts_nothing_and_confident_drafts_k(trained, engine
 def test_server_with_two_data_parallel_engines(trained, max_entropy, plain_outputs, tmp_path):
     """The JSON config on the server's command line reaches both engine cores (each drafts),
     the ranks stay in step while their requests stop drafting at different steps, and the
-    counters of both together are the reference's replay of the cut chains."""
+    counters of both together are the reference's replay of the cut chains; streams abandoned
+    mid-way leave the engines serving the same output."""
     spec = adaptive_spec(trained["edsd-folded"], max_entropy)
     with running_server(trained["target"], spec, extra_args=[*SERVER_ARGS, "--data-parallel-size", "2"],
                         log_path=tmp_path / "dp.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
         outputs = completion_token_ids(base, trained["prompts"])
         metrics = requests.get(f"{base}/metrics", timeout=10).text
+        # Clients that walk away mid-stream, drafts being cut: the engines serve on, losslessly.
+        body = {"model": "toy", "max_tokens": 512, "temperature": 0, "ignore_eos": True}
+        read = abandon_streams(f"{base}/v1/completions", [{**body, "prompt": p} for p in trained["prompts"]])
+        after_aborts = completion_token_ids(base, trained["prompts"])
+    assert min(read) > 0 and after_aborts == plain_outputs
     assert outputs == plain_outputs
     assert drafting_engines(metrics) == {"0", "1"}
     measured = parse_prometheus_counters(metrics).as_dict()

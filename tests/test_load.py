@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import requests
 
 from bench.latency import aggregate, poisson_schedule, run_locust
-from conftest import processes_with
+from conftest import abandon_streams, processes_with
 from vllm_edsd.serving.engine import SpecCounters, parse_prometheus_counters
 from vllm_edsd.serving.server import running_server
 
@@ -140,22 +139,9 @@ def test_streams_aborted_mid_way_free_their_requests(edsd_server, chats, without
     """Clients that close their stream after a few chunks, drafts in flight: the engine keeps
     serving, stays lossless, and holds nothing of theirs afterwards (nothing running or waiting)."""
     base, _ = edsd_server
-    body = {"model": "bench", "max_tokens": ABANDONED_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-    chunks_read = []
+    body = {"model": "bench", "max_tokens": ABANDONED_TOKENS, "temperature": 0, "ignore_eos": True}
     generated_before = metric_sum(base, ("vllm:generation_tokens_total",))
-
-    def walk_away(messages: list[dict]) -> None:
-        with requests.post(f"{base}/v1/chat/completions", json={**body, "messages": messages}, stream=True,
-                           timeout=60) as reply:
-            lines = reply.iter_lines()
-            chunks_read.append(sum(1 for _, line in zip(range(4), lines) if line))
-        # leaving the block closes the connection: the server sees the client gone
-
-    threads = [threading.Thread(target=walk_away, args=(chat,)) for chat in chats]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    chunks_read = abandon_streams(f"{base}/v1/chat/completions", [{**body, "messages": chat} for chat in chats])
     assert len(chunks_read) == len(chats) and min(chunks_read) > 0
     records = run_locust(base, chats, [0.0] * len(chats), MAX_TOKENS, len(chats), tmp_path, "after-aborts")
     assert aggregate(records, len(chats))["failures"] == 0
