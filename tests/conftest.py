@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from specforge_layout import write_specforge_checkpoint
+
 from vllm_edsd.acceptance import replay, total
 from vllm_edsd.formats.config import LAYERNORM, RMSNORM
 from vllm_edsd.formats.layouts import EDSD_TRAINING

@@ -9,12 +9,21 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-
 import requests
+import torch
+from conftest import (
+    FITTED_TOKENS,
+    SERVER_ARGS,
+    assert_counters_match,
+    assert_drafts_match,
+    completion_token_ids,
+    drafting_engines,
+    edited_copy,
+    greedy_phase,
+    predicted_counters,
+    serve_fitted,
+)
 
-from conftest import FITTED_TOKENS, SERVER_ARGS, assert_counters_match, assert_drafts_match, completion_token_ids, \
-    drafting_engines, edited_copy, greedy_phase, predicted_counters, serve_fitted
 from vllm_edsd.acceptance import kept_lengths
 from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.serving.engine import parse_prometheus_counters

@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import edited_copy
 from safetensors.torch import load_file, save_file
 
-from conftest import edited_copy
 from vllm_edsd.cli import main
 from vllm_edsd.formats.config import LAYERNORM, TOKEN_NORMS
-from vllm_edsd.formats.layouts import read_drafter_config
+from vllm_edsd.formats.layouts import EDSD_TRAINING, read_drafter_config
 from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.target import load_target, run_target
-from vllm_edsd.formats.layouts import EDSD_TRAINING
 from vllm_edsd.toy import make_drafter
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from vllm_edsd.errors import EDSDError
 from vllm_edsd.data import complete_records, load_sharegpt
+from vllm_edsd.errors import EDSDError
 
 RECORDS = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
            for i in range(5)]

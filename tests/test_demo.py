@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import greedy_phase
-from vllm_edsd.formats.files import tensor_shapes
-from vllm_edsd.formats.config import TargetFingerprint
+
 from vllm_edsd.demo import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, check_prompt_ids
+from vllm_edsd.formats.config import TargetFingerprint
+from vllm_edsd.formats.files import tensor_shapes
 from vllm_edsd.target import fingerprint, load_target
 
 SHIPPED_BUDGET_BYTES = 50 * 10**6  # both drafters together, fp16

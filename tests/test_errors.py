@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import edited_copy, engine_config
 from conftest import edsd_spec as spec
+
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.layouts import EDSD_TRAINING
 from vllm_edsd.serving.adaptive import AdaptiveDraftLength, check_runner

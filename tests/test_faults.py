@@ -5,7 +5,6 @@ flight. Output stays the target's own, nothing crashes, and the engine keeps ser
 from __future__ import annotations
 
 import pytest
-
 from conftest import FITTED_TOKENS, greedy_phase, predicted_counters, serve_fitted
 
 K = 4

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import edited_copy, engine_config
 from conftest import edsd_spec as spec
+from safetensors.torch import load_file, save_file
+
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.layouts import EDSD_TRAINING

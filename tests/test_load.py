@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import requests
+from conftest import processes_with
 
 from bench.latency import aggregate, poisson_schedule, run_locust
-from conftest import processes_with
 from vllm_edsd.serving.server import running_server
 
 MAX_TOKENS = 64

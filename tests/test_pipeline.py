@@ -5,6 +5,7 @@ output stays lossless, and the acceptance predicted offline equals vLLM's counte
 from __future__ import annotations
 
 from conftest import assert_counters_match, predicted_counters, serve_fitted
+
 from vllm_edsd.toy import toy_corpus
 
 K = 3

@@ -13,13 +13,19 @@ from pathlib import Path
 
 import pytest
 import requests
+from conftest import (
+    SERVER_ARGS,
+    assert_counters_match,
+    completion_token_ids,
+    drafting_engines,
+    predicted_counters,
+    processes_with,
+    serve_fitted,
+)
 
-from conftest import SERVER_ARGS, assert_counters_match, completion_token_ids, drafting_engines, predicted_counters, \
-    processes_with, serve_fitted
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.engine import parse_prometheus_counters
 from vllm_edsd.serving.server import running_server
-
 
 K = 4
 

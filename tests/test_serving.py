@@ -9,12 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    PROMPTS,
+    assert_counters_match,
+    assert_drafts_match,
+    edited_copy,
+    greedy_phase,
+    predicted_counters,
+    serve_fitted,
+    simulate_constant_drafter,
+)
 from safetensors.torch import load_file
-
-from conftest import (PROMPTS, assert_counters_match, assert_drafts_match, edited_copy, greedy_phase, predicted_counters,
-                      serve_fitted,
-                      simulate_constant_drafter)
 from specforge_layout import specforge_chains
+
 from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS
 from vllm_edsd.reference import EDSDDraftModel
 from vllm_edsd.target import load_target, run_target

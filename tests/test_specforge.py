@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import edited_copy, edsd_spec, engine_config
+from safetensors.torch import load_file
 from specforge_layout import specforge_chains, write_specforge_checkpoint
+
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.reference import EDSDDraftModel

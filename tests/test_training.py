@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +19,10 @@ from vllm_edsd.cli import main
 from vllm_edsd.formats.config import EDSDConfig
 from vllm_edsd.reference import EDSDDraftModel, KeyValueSteps
 from vllm_edsd.target import token_entropy
+from vllm_edsd.toy import toy_corpus
 from vllm_edsd.training.schedule import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
 from vllm_edsd.training.trainer import ttt_loss
 from vllm_edsd.training.vocab import build_vocab_mapping
-from vllm_edsd.toy import toy_corpus
 
 
 def test_paper_reading_is_eqs_5_and_6():

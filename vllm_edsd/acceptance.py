@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vllm_edsd.serving.engine import SpecCounters
+
 from .target import run_target
 
 

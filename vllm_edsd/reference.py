@@ -285,7 +285,7 @@ class EDSDDraftModel(DraftHead):
     @classmethod
     def from_pretrained(
         cls, path: str | Path, *, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
-    ) -> "EDSDDraftModel":
+    ) -> EDSDDraftModel:
         """Load a drafter directory of any EDSD layout (this project's, SpecForge's, vLLM's).
         ``embed_tokens`` is the target's embedding table, used unless the checkpoint carries
         a table of its own."""

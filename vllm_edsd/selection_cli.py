@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import selection
-from vllm_edsd.formats.config import LAYER_INPUT
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.config import LAYER_INPUT
 from vllm_edsd.formats.files import replace_file
+
+from . import selection
 from .data import load_conversations, load_sharegpt, render_many
 from .target import decoder_of, fingerprint, load_target, run_target
 

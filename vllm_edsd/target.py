@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.formats.config import TargetFingerprint
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.config import TargetFingerprint
 
 
 def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):

@@ -21,9 +21,25 @@ import torch
 
 from vllm_edsd import __version__
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.formats.config import LAYER_ID_CONVENTIONS, SUPPORTED_DTYPES, EDSDConfig, TargetFingerprint, read_config_json
-from vllm_edsd.formats.files import (SAFETENSORS, atomic_directory, cast_floating, finished_checkpoint, iter_tensors,
-                                     load_json, read_tensor, tensor_files, tensor_shapes, write_checkpoint)
+from vllm_edsd.formats.config import (
+    LAYER_ID_CONVENTIONS,
+    SUPPORTED_DTYPES,
+    EDSDConfig,
+    TargetFingerprint,
+    read_config_json,
+)
+from vllm_edsd.formats.files import (
+    SAFETENSORS,
+    atomic_directory,
+    cast_floating,
+    finished_checkpoint,
+    iter_tensors,
+    load_json,
+    read_tensor,
+    tensor_files,
+    tensor_shapes,
+    write_checkpoint,
+)
 from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, ROPE_CACHES, Layout, check_tensors, detect_layout
 from vllm_edsd.formats.vocab import check_vocab_mapping
 from vllm_edsd.reference import DTYPES, token_norm

@@ -46,7 +46,7 @@ class TargetFingerprint:
     model_type: str | None = None
 
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> "TargetFingerprint":
+    def from_hf_config(cls, cfg: Any) -> TargetFingerprint:
         """From a transformers config object or dict (text config of multimodal models)."""
         get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
         return cls(
@@ -57,7 +57,7 @@ class TargetFingerprint:
         )
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "edsd_config.target") -> "TargetFingerprint | None":
+    def from_dict(cls, d: Any, source: str = "edsd_config.target") -> TargetFingerprint | None:
         """The fingerprint a drafter's config records; a malformed one is refused by name."""
         if d is None or d == {}:
             return None
@@ -113,7 +113,7 @@ class EDSDConfig:
         *,
         source: str = "config.json",
         layer_id_convention: str | None = None,
-    ) -> "EDSDConfig":
+    ) -> EDSDConfig:
         """Validate a config.json dict of either layout.
 
         ``layer_id_convention`` overrides the convention recorded in the file (the
@@ -230,7 +230,7 @@ class EDSDConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path, **kwargs: Any) -> "EDSDConfig":
+    def from_dir(cls, path: str | Path, **kwargs: Any) -> EDSDConfig:
         return cls.from_dict(read_config_json(path), source=str(Path(path) / "config.json"), **kwargs)
 
     @classmethod
@@ -243,7 +243,7 @@ class EDSDConfig:
         fuse_intermediate_size: int | None = None,
         intermediate_size: int | None = None,
         token_norm: str = RMSNORM,
-    ) -> "EDSDConfig":
+    ) -> EDSDConfig:
         """A drafter shaped for a target's ``config.json`` (SPEC §2 defaults: d = d_t,
         m = the target's FFN width, the target's attention geometry and RoPE; the token
         norm of SpecForge's EDSD unless asked otherwise)."""
@@ -334,7 +334,7 @@ class EDSDConfig:
             "edsd_config": self._edsd_block(LAYER_INPUT),
         }
 
-    def with_updates(self, **changes: Any) -> "EDSDConfig":
+    def with_updates(self, **changes: Any) -> EDSDConfig:
         return replace(self, **changes)
 
     # ------------------------------------------------------------- checking

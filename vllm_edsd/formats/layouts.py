@@ -17,7 +17,6 @@ its tensor names. Tensor names are mapped to the *canonical* names (the paramete
 from __future__ import annotations
 
 import re
-
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path

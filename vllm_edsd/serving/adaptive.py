@@ -65,7 +65,7 @@ class AdaptiveDraftLength:
         return -math.log(self.threshold)
 
     @classmethod
-    def pop_from(cls, fields: dict[str, Any]) -> "AdaptiveDraftLength | None":
+    def pop_from(cls, fields: dict[str, Any]) -> AdaptiveDraftLength | None:
         """Remove the adaptive fields from a speculative config dict (vLLM does not know them)
         and validate them; None when the feature is off."""
         enabled = fields.pop(ENABLE, False)
@@ -83,7 +83,7 @@ class AdaptiveDraftLength:
         return _Carried(threshold=self.threshold)
 
     @classmethod
-    def of(cls, hf_config: Any) -> "AdaptiveDraftLength | None":
+    def of(cls, hf_config: Any) -> AdaptiveDraftLength | None:
         """The settings the plugin put on a drafter's hf_config, if any, validated again. A value
         of the same name read from the checkpoint's config.json is ignored with a warning:
         serving options come from the speculative config only."""

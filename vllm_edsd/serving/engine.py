@@ -103,7 +103,7 @@ class SpecCounters:
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
-    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
         per_pos = [a - (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
                    for i, a in enumerate(self.accepted_per_pos)]
         return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,

@@ -28,8 +28,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, maybe_remap_kv_scale_name
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
-from vllm.model_executor.models.utils import (WeightsMapper, get_draft_quant_config, maybe_prefix,
-                                              process_eagle_weight)
+from vllm.model_executor.models.utils import WeightsMapper, get_draft_quant_config, maybe_prefix, process_eagle_weight
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.formats.config import LAYERNORM, EDSDConfig, TargetFingerprint

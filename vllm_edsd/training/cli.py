@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
 from vllm_edsd.formats.files import replace_file
+
 from ..data import load_conversations, load_sharegpt
 from ..reference import EDSDDraftModel
 from ..target import decoder_of, load_target
