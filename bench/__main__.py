@@ -56,10 +56,13 @@ def machine() -> dict:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="example (GPU):\n  python -m bench all --target meta-llama/Llama-3.1-8B-Instruct "
-                                            "--eagle3 DRAFT_E3 --edsd DRAFT_EDSD --out results/")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example (GPU):\n  python -m bench all --target meta-llama/Llama-3.1-8B-Instruct "
+        "--eagle3 DRAFT_E3 --edsd DRAFT_EDSD --out results/",
+    )
     parser.add_argument("suite", choices=(*SUITES, "all"))
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--target", help="target model (default: the embedded demo target)")

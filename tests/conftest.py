@@ -207,14 +207,18 @@ def models(tmp_path_factory) -> dict:
         "llama-narrow": make_target(root / "llama-narrow", hidden_size=128, num_heads=2, num_kv_heads=1),
     }
     # The main drafter takes the user's path: training layout, then `edsd convert`.
-    make_drafter(paths["llama"], root / "llama-edsd-training", draft_vocab_size=256, aux_layer_ids=(1, 3), layout=EDSD_TRAINING)
+    make_drafter(
+        paths["llama"], root / "llama-edsd-training", draft_vocab_size=256, aux_layer_ids=(1, 3), layout=EDSD_TRAINING
+    )
     convert(root / "llama-edsd-training", root / "llama-edsd", target=paths["llama"])
     constant = most_frequent_greedy_token(paths["llama"], 512 - CONSTANT_DRAFT_VOCAB)
     make_drafter(
         paths["llama"], root / "llama-edsd-constant", draft_vocab_size=CONSTANT_DRAFT_VOCAB, constant_token=constant
     )
     make_drafter(paths["qwen3"], root / "qwen3-edsd", draft_vocab_size=384, aux_layer_ids=(2, 4), seed=2)
-    paths.update({name: root / name for name in ("llama-edsd", "llama-edsd-training", "llama-edsd-constant", "qwen3-edsd")})
+    paths.update(
+        {name: root / name for name in ("llama-edsd", "llama-edsd-training", "llama-edsd-constant", "qwen3-edsd")}
+    )
     return {**{k: str(v) for k, v in paths.items()}, "constant_token": constant}
 
 
@@ -240,15 +244,23 @@ def trained(fitted_target, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("pipeline")
     lines = [l for l in toy_corpus().splitlines() if l.strip()]
     data = root / "chat.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": l}, {"role": "assistant", "content": "-"}]})
-                              for l in lines[:24]))
+    data.write_text(
+        "\n".join(
+            json.dumps({"messages": [{"role": "user", "content": l}, {"role": "assistant", "content": "-"}]})
+            for l in lines[:24]
+        )
+    )
     target = fitted_target
     make_drafter(target, root / "untrained", draft_vocab_size=256)
     assert main(["select", target, "--data", str(data), "--samples", "8", "--out", str(root / "layers.json")]) == 0
     common = ["--data", str(data), "--regenerate", "--max-length", "96", "--draft-vocab-size", "256",
               "--epochs", "8", "--ttt-steps", "3", "--lr", "1e-2", "--batch-size", "4"]
-    assert main(["train", target, "--out", str(root / "edsd"), "--layers-from", str(root / "layers.json"), *common]) == 0
-    assert main(["train", target, "--out", str(root / "eagle3"), "--method", "eagle3", "--layers", "1,2,3", *common]) == 0
+    assert (
+        main(["train", target, "--out", str(root / "edsd"), "--layers-from", str(root / "layers.json"), *common]) == 0
+    )
+    assert (
+        main(["train", target, "--out", str(root / "eagle3"), "--method", "eagle3", "--layers", "1,2,3", *common]) == 0
+    )
     assert main(["convert", str(root / "edsd" / "final"), str(root / "edsd-vllm"), "--target", target]) == 0
     assert main(["convert", str(root / "edsd" / "final"), str(root / "edsd-folded"), "--target", target,
                  "--fold-token-norm"]) == 0
@@ -278,7 +290,9 @@ def parity_drafters(models, tmp_path_factory) -> dict:
             served = root / f"{norm}-{'folded' if folded else 'unfolded'}"
             convert(source, served, target=models["llama"], fold_token_norm=folded)
             drafters[norm, folded] = (str(served), str(source))
-    llama3 = edited_copy(layernorm, root / "llama3-rope-training", edit_config=lambda c: c.update(rope_parameters=LLAMA3_ROPE))
+    llama3 = edited_copy(
+        layernorm, root / "llama3-rope-training", edit_config=lambda c: c.update(rope_parameters=LLAMA3_ROPE)
+    )
     convert(llama3, root / "llama3-rope", target=models["llama"])
     drafters["llama3-rope"] = (str(root / "llama3-rope"), str(llama3))
     return drafters
@@ -303,7 +317,11 @@ def baseline(models, engine_runs):
     """Greedy outputs of each toy target without speculation."""
 
     def outputs(arch: str) -> list[list[int]]:
-        job = {"target": models[arch], "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": [greedy_phase()]}
+        job = {
+            "target": models[arch],
+            "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
+            "phases": [greedy_phase()],
+        }
         return engine_runs(f"baseline-{arch}", job)["phases"]["greedy"]["outputs"]
 
     return outputs

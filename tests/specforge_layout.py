@@ -71,14 +71,17 @@ def write_specforge_checkpoint(
     tensors = {
         "fc.weight": rand(d, 2 * d),
         "embnorm.weight": norm_weight(),
-        "edfuse.gate_proj.weight": rand(m, d), "edfuse.up_proj.weight": rand(m, d), "edfuse.down_proj.weight": rand(d, m),
+        "edfuse.gate_proj.weight": rand(m, d),
+        "edfuse.up_proj.weight": rand(m, d),
+        "edfuse.down_proj.weight": rand(d, m),
         "midlayer.hidden_norm.weight": norm_weight(),
         "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, d),
         "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, d),
         "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, d),
         "midlayer.self_attn.o_proj.weight": rand(d, heads * head_dim),
         "midlayer.post_attention_layernorm.weight": norm_weight(),
-        "midlayer.mlp.gate_proj.weight": rand(m, d), "midlayer.mlp.up_proj.weight": rand(m, d),
+        "midlayer.mlp.gate_proj.weight": rand(m, d),
+        "midlayer.mlp.up_proj.weight": rand(m, d),
         "midlayer.mlp.down_proj.weight": rand(d, m),
         "norm.weight": norm_weight(),
         "lm_head.weight": rand(draft_vocab_size, d, scale=0.2),
@@ -133,11 +136,21 @@ def specforge_chains(
     tokens, keys, values, chain = next_tokens, [], [], []
     for step in range(num_steps):
         embeds = _rms(embedding[tokens], t["embnorm.weight"], eps)
-        fused = (F.silu(hidden @ t["edfuse.gate_proj.weight"].T) * (embeds @ t["edfuse.up_proj.weight"].T)) @ t["edfuse.down_proj.weight"].T
+        fused = (F.silu(hidden @ t["edfuse.gate_proj.weight"].T) * (embeds @ t["edfuse.up_proj.weight"].T)) @ t[
+            "edfuse.down_proj.weight"
+        ].T
         x = _rms(fused, t["midlayer.hidden_norm.weight"], eps)
         positions = torch.arange(n)[None].expand(b, n) + step
-        q = _rotate((x @ t["midlayer.self_attn.q_proj.weight"].T).view(b, n, heads, head_dim).transpose(1, 2), positions, config["rope_theta"])
-        k = _rotate((x @ t["midlayer.self_attn.k_proj.weight"].T).view(b, n, kv_heads, head_dim).transpose(1, 2), positions, config["rope_theta"])
+        q = _rotate(
+            (x @ t["midlayer.self_attn.q_proj.weight"].T).view(b, n, heads, head_dim).transpose(1, 2),
+            positions,
+            config["rope_theta"],
+        )
+        k = _rotate(
+            (x @ t["midlayer.self_attn.k_proj.weight"].T).view(b, n, kv_heads, head_dim).transpose(1, 2),
+            positions,
+            config["rope_theta"],
+        )
         v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(b, n, kv_heads, head_dim).transpose(1, 2)
         keys.append(k.repeat_interleave(heads // kv_heads, 1))
         values.append(v.repeat_interleave(heads // kv_heads, 1))
@@ -146,10 +159,16 @@ def specforge_chains(
         scores = [(q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))]
         scores += [(q * key).sum(-1, keepdim=True) for key in keys[1:]]
         weights = torch.softmax(torch.cat(scores, -1) / math.sqrt(head_dim), -1)
-        attended = weights[..., :n] @ values[0] + sum(weights[..., n + i: n + i + 1] * val for i, val in enumerate(values[1:]))
+        attended = weights[..., :n] @ values[0] + sum(
+            weights[..., n + i : n + i + 1] * val for i, val in enumerate(values[1:])
+        )
         hidden = fused + attended.transpose(1, 2).reshape(b, n, -1) @ t["midlayer.self_attn.o_proj.weight"].T
         y = _rms(hidden, t["midlayer.post_attention_layernorm.weight"], eps)
-        hidden = hidden + (F.silu(y @ t["midlayer.mlp.gate_proj.weight"].T) * (y @ t["midlayer.mlp.up_proj.weight"].T)) @ t["midlayer.mlp.down_proj.weight"].T
+        hidden = (
+            hidden
+            + (F.silu(y @ t["midlayer.mlp.gate_proj.weight"].T) * (y @ t["midlayer.mlp.up_proj.weight"].T))
+            @ t["midlayer.mlp.down_proj.weight"].T
+        )
         logits = _rms(hidden, t["norm.weight"], eps) @ t["lm_head.weight"].T
         draft = logits.argmax(-1)
         tokens = draft + t["d2t"][draft]

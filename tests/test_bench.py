@@ -35,8 +35,17 @@ def test_all_suites_and_methods_present(bench_run):
     assert {r["suite"] for r in runs} == {"acceptance", "throughput", "latency", "robustness"}
     for suite in ("acceptance", "throughput", "latency"):
         assert {r["method"] for r in runs if r["suite"] == suite} == {"none", "ngram", "edsd"}
-    assert {r["system_prompt"] for r in runs if r["suite"] == "robustness"} == {"default", *(f"system-{i}" for i in range(10))}
-    assert {r["category"] for r in runs if r["suite"] == "acceptance"} == {"chat", "code", "math", "instruction", "summarization"}
+    assert {r["system_prompt"] for r in runs if r["suite"] == "robustness"} == {
+        "default",
+        *(f"system-{i}" for i in range(10)),
+    }
+    assert {r["category"] for r in runs if r["suite"] == "acceptance"} == {
+        "chat",
+        "code",
+        "math",
+        "instruction",
+        "summarization",
+    }
     assert set(results["machine"]) >= {"processor", "cores", "vllm", "torch", "vllm_edsd"}
 
 

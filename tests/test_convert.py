@@ -58,8 +58,11 @@ def test_converts_and_summarises(models, training_ckpt, tmp_path, capsys):
     assert not any(n.startswith(("edfuse.gate_proj", "edfuse.up_proj")) for n in names)
 
 
-SIDE_TENSORS = {"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(32), "midlayer.self_attn.k_proj.k_scale": torch.tensor(0.5),
-                "midlayer.self_attn.v_proj.v_scale": torch.tensor(0.25)}
+SIDE_TENSORS = {
+    "midlayer.self_attn.rotary_emb.inv_freq": torch.ones(32),
+    "midlayer.self_attn.k_proj.k_scale": torch.tensor(0.5),
+    "midlayer.self_attn.v_proj.v_scale": torch.tensor(0.25),
+}
 
 
 def test_rope_caches_are_dropped_and_kv_scales_kept(models, training_ckpt, tmp_path, capsys):
@@ -71,9 +74,14 @@ def test_rope_caches_are_dropped_and_kv_scales_kept(models, training_ckpt, tmp_p
     assert code == 0, err
     out = load_file(tmp_path / "out" / "model.safetensors")
     assert "midlayer.self_attn.rotary_emb.inv_freq" not in out
-    assert out["midlayer.self_attn.k_proj.k_scale"].item() == 0.5 and out["midlayer.self_attn.v_proj.v_scale"].item() == 0.25
+    assert (
+        out["midlayer.self_attn.k_proj.k_scale"].item() == 0.5
+        and out["midlayer.self_attn.v_proj.v_scale"].item() == 0.25
+    )
     embed = load_target(models["llama"]).model.embed_tokens.weight
-    with_side, without = (EDSDDraftModel.from_pretrained(path, embed_tokens=embed).state_dict() for path in (src, training_ckpt))
+    with_side, without = (
+        EDSDDraftModel.from_pretrained(path, embed_tokens=embed).state_dict() for path in (src, training_ckpt)
+    )
     assert with_side.keys() == without.keys() and all(torch.equal(with_side[k], without[k]) for k in without)
 
 
@@ -94,7 +102,9 @@ def test_layer_output_convention_shifts_ids(training_ckpt, tmp_path, capsys):
 @pytest.mark.parametrize("norm", TOKEN_NORMS)
 def test_folded_and_unfolded_drafters_agree(models, training_ckpts, tmp_path, capsys, norm):
     assert run_convert(capsys, training_ckpts[norm], tmp_path / "plain", "--target", models["llama"])[0] == 0
-    code, out, _ = run_convert(capsys, training_ckpts[norm], tmp_path / "folded", "--target", models["llama"], "--fold-token-norm")
+    code, out, _ = run_convert(
+        capsys, training_ckpts[norm], tmp_path / "folded", "--target", models["llama"], "--fold-token-norm"
+    )
     assert code == 0 and f"token norm  {norm}, folded" in out
     folded_cfg = read_drafter_config(tmp_path / "folded")[1]
     assert folded_cfg.token_norm_folded and folded_cfg.token_norm == norm
@@ -188,43 +198,71 @@ def _eagle3_fc(tensors):
 
 
 BAD_INPUTS = {
-    "missing tensor": ({"tensors": lambda t: t.pop("edfuse.up_proj.weight")}, "missing tensor(s): edfuse.up_proj.weight"),
-    "unexpected tensor": ({"tensors": lambda t: t.update({"midlayer.hidden_norm.weight": torch.ones(256)})},
-                          "unexpected tensor(s): midlayer.hidden_norm.weight"),
-    "wrong shape": ({"tensors": lambda t: t.update({"norm.weight": torch.ones(255)})},
-                    "tensor 'norm.weight' has shape [255], expected [256]"),
+    "missing tensor": (
+        {"tensors": lambda t: t.pop("edfuse.up_proj.weight")},
+        "missing tensor(s): edfuse.up_proj.weight",
+    ),
+    "unexpected tensor": (
+        {"tensors": lambda t: t.update({"midlayer.hidden_norm.weight": torch.ones(256)})},
+        "unexpected tensor(s): midlayer.hidden_norm.weight",
+    ),
+    "wrong shape": (
+        {"tensors": lambda t: t.update({"norm.weight": torch.ones(255)})},
+        "tensor 'norm.weight' has shape [255], expected [256]",
+    ),
     "eagle3 fc": ({"tensors": _eagle3_fc}, "fc reads three target layers"),
     "d2t length": ({"tensors": lambda t: t.update({"d2t": t["d2t"][:-1].clone()})}, "tensor 'd2t' has shape [255]"),
-    "t2d count": ({"tensors": lambda t: t["t2d"].__setitem__(t["t2d"].nonzero()[0, 0].item(), False)},
-                  "'t2d' marks 255 target ids but draft_vocab_size is 256"),
+    "t2d count": (
+        {"tensors": lambda t: t["t2d"].__setitem__(t["t2d"].nonzero()[0, 0].item(), False)},
+        "'t2d' marks 255 target ids but draft_vocab_size is 256",
+    ),
     "d2t disagrees": ({"tensors": lambda t: t["d2t"].__setitem__(5, t["d2t"][5] + 1)}, "'d2t' and 't2d' disagree"),
     "three aux ids": ({"config": lambda c: c["edsd_config"].update(aux_layer_ids=[1, 2, 3])}, "exactly two"),
     "missing field": ({"config": lambda c: c.pop("hidden_size")}, "missing field 'hidden_size'"),
-    "bad convention": ({"config": lambda c: c["edsd_config"].update(aux_layer_id_convention="middle")},
-                       "convention 'middle' is not one of"),
+    "bad convention": (
+        {"config": lambda c: c["edsd_config"].update(aux_layer_id_convention="middle")},
+        "convention 'middle' is not one of",
+    ),
     "bad dtype field": ({"config": lambda c: c.update(torch_dtype="float8")}, "field 'torch_dtype' is 'float8'"),
     "nan": ({"tensors": _nan}, "tensor 'norm.weight' contains NaN or Inf"),
-    "int weights": ({"tensors": lambda t: t.update({"norm.weight": torch.ones(256, dtype=torch.int32)})},
-                    "tensor 'norm.weight' has dtype torch.int32"),
-    "draft vocab zero": ({"config": lambda c: c.update(draft_vocab_size=0)},
-                         "field 'draft_vocab_size' must be an integer in 1..vocab_size"),
+    "int weights": (
+        {"tensors": lambda t: t.update({"norm.weight": torch.ones(256, dtype=torch.int32)})},
+        "tensor 'norm.weight' has dtype torch.int32",
+    ),
+    "draft vocab zero": (
+        {"config": lambda c: c.update(draft_vocab_size=0)},
+        "field 'draft_vocab_size' must be an integer in 1..vocab_size",
+    ),
     "head_dim zero": ({"config": lambda c: c.update(head_dim=0)}, "field 'head_dim' must be positive, got 0"),
     "head_dim odd": ({"config": lambda c: c.update(head_dim=63)}, "field 'head_dim' must be even"),
-    "heads do not divide": ({"config": lambda c: (c.pop("head_dim", None), c.update(num_attention_heads=7))},
-                            "hidden_size=256 is not a multiple of num_attention_heads=7"),
-    "kv heads not a number": ({"config": lambda c: c.update(num_key_value_heads="two")},
-                              "field 'num_key_value_heads' must be an integer, got 'two'"),
-    "target width not a number": ({"config": lambda c: c.update(target_hidden_size="wide")},
-                                  "field 'target_hidden_size' must be an integer, got 'wide'"),
-    "eps not a number": ({"config": lambda c: c.update(rms_norm_eps="small")},
-                         "field 'rms_norm_eps' must be a number, got 'small'"),
-    "llama3 rope incomplete": ({"config": lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
-                                                                             "factor": 8.0})},
-                               "llama3 RoPE needs 'low_freq_factor' as a positive number, got missing"),
-    "weight-quantization tensor": ({"tensors": lambda t: t.update({"midlayer.mlp.down_proj.weight_scale": torch.ones(1)})},
-                                   "a weight-quantization tensor: quantized EDSD drafters are not supported"),
-    "linear rope factor": ({"config": lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": "x"})},
-                           "linear RoPE needs 'factor' as a positive number, got 'x'"),
+    "heads do not divide": (
+        {"config": lambda c: (c.pop("head_dim", None), c.update(num_attention_heads=7))},
+        "hidden_size=256 is not a multiple of num_attention_heads=7",
+    ),
+    "kv heads not a number": (
+        {"config": lambda c: c.update(num_key_value_heads="two")},
+        "field 'num_key_value_heads' must be an integer, got 'two'",
+    ),
+    "target width not a number": (
+        {"config": lambda c: c.update(target_hidden_size="wide")},
+        "field 'target_hidden_size' must be an integer, got 'wide'",
+    ),
+    "eps not a number": (
+        {"config": lambda c: c.update(rms_norm_eps="small")},
+        "field 'rms_norm_eps' must be a number, got 'small'",
+    ),
+    "llama3 rope incomplete": (
+        {"config": lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})},
+        "llama3 RoPE needs 'low_freq_factor' as a positive number, got missing",
+    ),
+    "weight-quantization tensor": (
+        {"tensors": lambda t: t.update({"midlayer.mlp.down_proj.weight_scale": torch.ones(1)})},
+        "a weight-quantization tensor: quantized EDSD drafters are not supported",
+    ),
+    "linear rope factor": (
+        {"config": lambda c: c.update(rope_parameters={"rope_type": "linear", "factor": "x"})},
+        "linear RoPE needs 'factor' as a positive number, got 'x'",
+    ),
 }
 
 

@@ -41,7 +41,8 @@ def test_packaged_sharegpt_loads():
 # Qwen3 / DeepSeek-R1 style: an answer's reasoning is shown only while it is the last message.
 DROPS_EARLIER_REASONING = (
     "{% for m in messages %}{% set c = m['content'] %}"
-    "{% if m['role'] == 'assistant' and not loop.last and '</think>' in c %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "{% if m['role'] == 'assistant' and not loop.last and '</think>' in c %}"
+    "{% set c = c.split('</think>')[-1] %}{% endif %}"
     "<|{{ m['role'] }}|>{{ c }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -51,8 +52,10 @@ PROMPT_NOT_FOLLOWED = (
     "{% if add_generation_prompt %}<|assistant|>Sure!{% endif %}"
 )
 REASONING_CHAT = [
-    {"role": "user", "content": "first question"}, {"role": "assistant", "content": "<think>why one</think>answer one"},
-    {"role": "user", "content": "second question"}, {"role": "assistant", "content": "<think>why two</think>answer two"},
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "<think>why one</think>answer one"},
+    {"role": "user", "content": "second question"},
+    {"role": "assistant", "content": "<think>why two</think>answer two"},
 ]
 
 

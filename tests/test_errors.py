@@ -48,7 +48,9 @@ def drafters(models, tmp_path_factory) -> dict[str, str]:
         "three_ids": variant("three-ids", three_ids),
         "out_of_range": variant("out-of-range", out_of_range),
         "missing_tensor": variant("missing-tensor", edit_tensors=lambda t: t.pop("lm_head.weight")),
-        "wrong_shape": variant("wrong-shape", edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:, :100].clone()})),
+        "wrong_shape": variant(
+            "wrong-shape", edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:, :100].clone()})
+        ),
         "other_target": str(root / "other-target-drafter"),
         "no_weights": no_weights,
         "no_config": no_config,
@@ -101,8 +103,12 @@ def test_malformed_speculative_config(models, extra, expected):
 
 
 def test_adaptive_fields_belong_to_edsd(models):
-    with pytest.raises(EDSDError, match="'adaptive_draft_length' is an option of \"method\": \"edsd\", not of 'eagle3'"):
-        engine_config(models["llama"], {**spec(models["llama-edsd"]), "method": "eagle3", "adaptive_draft_length": True})
+    with pytest.raises(
+        EDSDError, match="'adaptive_draft_length' is an option of \"method\": \"edsd\", not of 'eagle3'"
+    ):
+        engine_config(
+            models["llama"], {**spec(models["llama-edsd"]), "method": "eagle3", "adaptive_draft_length": True}
+        )
 
 
 @pytest.mark.vllm_range
@@ -156,7 +162,9 @@ def test_vllm_outside_the_range_is_refused_by_name(models, monkeypatch):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.23.0")
-    with pytest.raises(EDSDError, match=r"supports vLLM 0\.24 up to \(not including\) 0\.34; the installed vLLM is 0\.23\.0"):
+    with pytest.raises(
+        EDSDError, match=r"supports vLLM 0\.24 up to \(not including\) 0\.34; the installed vLLM is 0\.23\.0"
+    ):
         engine_config(models["llama"], spec(models["llama-edsd"]))
 
 
@@ -182,7 +190,8 @@ def test_offline_process_exits_with_the_message(models, drafters):
     script = (
         "from vllm import LLM\n"
         "if __name__ == '__main__':\n"
-        f"    LLM({models['llama']!r}, gpu_memory_utilization=0.25, speculative_config={spec(drafters['missing_tensor'])!r})\n"
+        f"    LLM({models['llama']!r}, gpu_memory_utilization=0.25, "
+        f"speculative_config={spec(drafters['missing_tensor'])!r})\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

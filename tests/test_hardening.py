@@ -61,11 +61,17 @@ def test_convert_range_checks_d2t_without_t2d(models, tmp_path, capsys):
     one_line_refusal(capsys, src, tmp_path / "out", f"maps draft id 3 to target id 3 + d2t[3] = 3 + {BIG}")
 
 
-@pytest.mark.parametrize(("edit", "expected"), [
-    (lambda t: t["d2t"].__setitem__(5, BIG), f"maps draft id 5 to target id 5 + d2t[5] = 5 + {BIG}, outside the target vocabulary 0..511"),
-    (lambda t: t["d2t"].__setitem__(0, -1), "maps draft id 0 to target id 0 + d2t[0] = 0 + -1"),
-    (lambda t: t["t2d"].__setitem__(slice(None), t["t2d"].roll(1)), "'d2t' and 't2d' disagree"),
-])
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda t: t["d2t"].__setitem__(5, BIG),
+            f"maps draft id 5 to target id 5 + d2t[5] = 5 + {BIG}, outside the target vocabulary 0..511",
+        ),
+        (lambda t: t["d2t"].__setitem__(0, -1), "maps draft id 0 to target id 0 + d2t[0] = 0 + -1"),
+        (lambda t: t["t2d"].__setitem__(slice(None), t["t2d"].roll(1)), "'d2t' and 't2d' disagree"),
+    ],
+)
 def test_plugin_preflight_range_checks_d2t_and_t2d(models, tmp_path, edit, expected):
     drafter = edited_copy(models["llama-edsd"], tmp_path / "drafter", edit_tensors=edit)
     with pytest.raises(EDSDError, match="d2t") as err:
@@ -205,7 +211,10 @@ def test_outputs_follow_the_umask(training_ckpt, tmp_path):
 def test_sigterm_on_demo_leaves_no_server_child(tmp_path):
     import psutil
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     demo = subprocess.Popen([sys.executable, "-m", "vllm_edsd.cli", "demo", "--methods", "edsd", "--max-tokens", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     parent = psutil.Process(demo.pid)
@@ -241,7 +250,10 @@ def test_demo_names_its_dtype_and_where_a_reply_differs():
     text = summary({"none": plain, "edsd": drafted}, 4)
     assert DEMO_DTYPE == "float32" and "float32, K=4" in text
     assert "3/4" in text
-    assert "edsd: prompt 1 differs from the target alone first at token 2; the target's top-2 logit margin there is 0.0123" in text
+    assert (
+        "edsd: prompt 1 differs from the target alone first at token 2; the target's top-2 logit margin there is 0.0123"
+        in text
+    )
 
 
 def test_every_bench_figure_names_its_dtype():

@@ -51,7 +51,9 @@ def edsd_server(trained, tmp_path_factory):
     marker = uuid.uuid4().hex
     spec = {"method": "edsd", "model": trained["edsd-folded"], "num_speculative_tokens": 4}
     log = tmp_path_factory.mktemp("edsd-server") / "server.log"
-    with running_server(trained["target"], spec, extra_args=ARGS, log_path=log, env={"EDSD_TEST_MARKER": marker}) as base:
+    with running_server(
+        trained["target"], spec, extra_args=ARGS, log_path=log, env={"EDSD_TEST_MARKER": marker}
+    ) as base:
         yield base, marker
 
 

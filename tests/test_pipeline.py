@@ -14,9 +14,14 @@ K = 3
 def test_trained_drafters_serve_losslessly_and_beat_untrained(models, engine_runs, trained):
     plain = serve_fitted(trained, engine_runs, "pipeline-none", None)
     runs = {
-        name: serve_fitted(trained, engine_runs, f"pipeline-{name}", {"method": method, "model": path, "num_speculative_tokens": K})
-        for name, method, path in [("edsd", "edsd", trained["edsd"]), ("eagle3", "eagle3", trained["eagle3"]),
-                                   ("untrained", "edsd", trained["untrained"])]
+        name: serve_fitted(
+            trained, engine_runs, f"pipeline-{name}", {"method": method, "model": path, "num_speculative_tokens": K}
+        )
+        for name, method, path in [
+            ("edsd", "edsd", trained["edsd"]),
+            ("eagle3", "eagle3", trained["eagle3"]),
+            ("untrained", "edsd", trained["untrained"]),
+        ]
     }
     for name, run in runs.items():
         assert run["outputs"] == plain["outputs"], name

@@ -42,7 +42,9 @@ def test_every_replacement_is_logged_once():
     for name, is_applied in applied.items():
         assert log.count(f"vllm-edsd: replaced {name} ") == int(is_applied), name
     # On CPU exactly one of the two kernel-installation hooks applies, whatever the vLLM.
-    assert sum(applied[n] for n in applied if n.endswith(("register_triton_kernel_overrides", "_postprocess_triton"))) == 1
+    assert (
+        sum(applied[n] for n in applied if n.endswith(("register_triton_kernel_overrides", "_postprocess_triton"))) == 1
+    )
 
 
 def test_disable_switch_leaves_vllm_untouched():

@@ -57,7 +57,9 @@ def reference_chains(target_dir: str, source: str, specforge: bool = False):
         features = run_target(target, sequence, layers).features(layers)[:, :-1]
         chains = drafter.propose(features, sequence[:, 1:], K)
         if specforge:
-            checkpoint = {n: t for f in sorted(Path(source).glob("model*.safetensors")) for n, t in load_file(f).items()}
+            checkpoint = {
+                n: t for f in sorted(Path(source).glob("model*.safetensors")) for n, t in load_file(f).items()
+            }
             config = json.loads((Path(source) / "config.json").read_text())
             embed = target.model.embed_tokens.weight
             assert torch.equal(specforge_chains(checkpoint, config, embed, features, sequence[:, 1:], K), chains)
@@ -81,8 +83,11 @@ def test_drafter_with_rope_cache_and_kv_scales_serves_the_same(models, engine_ru
     """RoPE caches and KV-cache scales beside the weights (exporters write them; vLLM's EAGLE-3
     loader takes them): the drafter loads, and with an unquantized KV cache drafts exactly
     what it drafts without them."""
-    side = {"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(32), "midlayer.self_attn.k_proj.k_scale": torch.tensor(1.0),
-            "midlayer.self_attn.v_proj.v_scale": torch.tensor(1.0)}
+    side = {
+        "midlayer.self_attn.rotary_emb.inv_freq": torch.ones(32),
+        "midlayer.self_attn.k_proj.k_scale": torch.tensor(1.0),
+        "midlayer.self_attn.v_proj.v_scale": torch.tensor(1.0),
+    }
     drafter = edited_copy(models["llama-edsd"], tmp_path_factory.mktemp("side-tensors") / "drafter",
                           edit_tensors=lambda t: t.update(side))
     job = {"target": models["llama"], "speculative_config": edsd(str(drafter)),

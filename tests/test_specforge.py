@@ -64,7 +64,9 @@ def test_reference_follows_specforge_semantics(checkpoints, target, variant):
     ours = drafter.propose(features, sequence[:, 1:], K)
     tensors = {n: t for n, t in load_file(path / "model.safetensors").items()} if variant == "single" else \
         {n: t for f in sorted(path.glob("model-*.safetensors")) for n, t in load_file(f).items()}
-    theirs = specforge_chains(tensors, json.loads((path / "config.json").read_text()), embed, features, sequence[:, 1:], K)
+    theirs = specforge_chains(
+        tensors, json.loads((path / "config.json").read_text()), embed, features, sequence[:, 1:], K
+    )
     assert torch.equal(ours, theirs)
     assert len(set(ours[..., 0].flatten().tolist())) > 5, "the drafts should depend on the weights"
 
@@ -91,7 +93,9 @@ def test_every_variant_converts_to_the_same_drafter(models, checkpoints, tmp_pat
         }
     reference = converted["single"]
     assert "embed_tokens.weight" not in reference and "embnorm.weight" not in reference
-    assert {"edfuse.token_norm.weight", "midlayer.input_layernorm.weight", "edfuse.feature_gate.weight"} <= set(reference)
+    assert {"edfuse.token_norm.weight", "midlayer.input_layernorm.weight", "edfuse.feature_gate.weight"} <= set(
+        reference
+    )
     for tensors in converted.values():
         assert tensors.keys() == reference.keys()
         assert all(torch.equal(tensors[n], reference[n]) for n in tensors)
@@ -125,22 +129,47 @@ BAD = {
     "missing embnorm": ({"tensors": lambda t: t.pop("embnorm.weight")}, [], "missing tensor(s): embnorm.weight"),
     "three layer ids": ({"config": _three_ids}, [], "field 'target_layer_ids' must list exactly two"),
     "no layer ids": ({"config": lambda c: c.pop("target_layer_ids")}, [], "missing field 'target_layer_ids'"),
-    "layer id outside the target": ({"config": lambda c: c.update(target_layer_ids=[0, 4])}, ["--target"],
-                                    "[5] do not exist in a target with 4 layers"),
-    "wrong shape": ({"tensors": lambda t: t.update({"edfuse.up_proj.weight": torch.zeros(512, 128)})}, [],
-                    "tensor 'edfuse.up_proj.weight' has shape [512, 128], expected [512, 256]"),
-    "eagle3-style attention": ({"tensors": lambda t: t.update({"midlayer.self_attn.q_proj.weight": torch.zeros(256, 512)})}, [],
-                               "tensor 'midlayer.self_attn.q_proj.weight' has shape [256, 512], expected [256, 256]"),
+    "layer id outside the target": (
+        {"config": lambda c: c.update(target_layer_ids=[0, 4])},
+        ["--target"],
+        "[5] do not exist in a target with 4 layers",
+    ),
+    "wrong shape": (
+        {"tensors": lambda t: t.update({"edfuse.up_proj.weight": torch.zeros(512, 128)})},
+        [],
+        "tensor 'edfuse.up_proj.weight' has shape [512, 128], expected [512, 256]",
+    ),
+    "eagle3-style attention": (
+        {"tensors": lambda t: t.update({"midlayer.self_attn.q_proj.weight": torch.zeros(256, 512)})},
+        [],
+        "tensor 'midlayer.self_attn.q_proj.weight' has shape [256, 512], expected [256, 256]",
+    ),
     "d2t and t2d disagree": ({"tensors": _corrupt_mapping}, [], "'d2t' and 't2d' disagree"),
-    "t2d count": ({"tensors": lambda t: t.update({"t2d": torch.ones(512, dtype=torch.bool)})}, [],
-                  "'t2d' marks 512 target ids but draft_vocab_size is 256"),
-    "embedding of another target": ({"tensors": lambda t: t.update({"embed_tokens.weight": torch.randn(512, 256)})},
-                                    ["--target"], "differs from the embedding of"),
-    "nan": ({"tensors": lambda t: t["embnorm.weight"].__setitem__(0, float("nan"))}, [],
-            "tensor 'embnorm.weight' contains NaN or Inf"),
-    "unsupported dtype field": ({"config": lambda c: c.update(torch_dtype="float8")}, [], "field 'torch_dtype' is 'float8'"),
-    "input_layernorm present": ({"tensors": lambda t: t.update({"midlayer.input_layernorm.weight": torch.ones(256)})}, [],
-                                "unexpected tensor(s): midlayer.input_layernorm.weight"),
+    "t2d count": (
+        {"tensors": lambda t: t.update({"t2d": torch.ones(512, dtype=torch.bool)})},
+        [],
+        "'t2d' marks 512 target ids but draft_vocab_size is 256",
+    ),
+    "embedding of another target": (
+        {"tensors": lambda t: t.update({"embed_tokens.weight": torch.randn(512, 256)})},
+        ["--target"],
+        "differs from the embedding of",
+    ),
+    "nan": (
+        {"tensors": lambda t: t["embnorm.weight"].__setitem__(0, float("nan"))},
+        [],
+        "tensor 'embnorm.weight' contains NaN or Inf",
+    ),
+    "unsupported dtype field": (
+        {"config": lambda c: c.update(torch_dtype="float8")},
+        [],
+        "field 'torch_dtype' is 'float8'",
+    ),
+    "input_layernorm present": (
+        {"tensors": lambda t: t.update({"midlayer.input_layernorm.weight": torch.ones(256)})},
+        [],
+        "unexpected tensor(s): midlayer.input_layernorm.weight",
+    ),
 }
 
 

@@ -28,7 +28,9 @@ from vllm_edsd.training.vocab import build_vocab_mapping
 def test_paper_reading_is_eqs_5_and_6():
     """p_t = max(0, T - t - 1) * 3 (%), n_t = floor(1 + (S_max - 1) t / (T - 1))."""
     for epochs, s_max in ((8, 7), (3, 4), (5, 3), (1, 7)):
-        assert [PAPER.mask_percent(t, epochs) for t in range(epochs)] == [max(0, epochs - t - 1) * 3 for t in range(epochs)]
+        assert [PAPER.mask_percent(t, epochs) for t in range(epochs)] == [
+            max(0, epochs - t - 1) * 3 for t in range(epochs)
+        ]
         floor_eq6 = [s_max if epochs == 1 else math.floor(1 + (s_max - 1) * t / (epochs - 1)) for t in range(epochs)]
         assert [PAPER.ttt_steps(t, epochs, s_max) for t in range(epochs)] == floor_eq6
     assert [PAPER.ttt_steps(t, 8, 7) for t in range(8)] == [1, 1, 2, 3, 4, 5, 6, 7]
@@ -67,9 +69,20 @@ def test_entropy_mask_per_sample_or_over_the_batch():
 def test_specforge_reading_ranks_by_draft_vocabulary_entropy():
     """A position that is flat over the full vocabulary but peaked inside the draft vocabulary
     is kept by SpecForge's reading and dropped by the paper's, and vice versa."""
-    cfg = EDSDConfig.from_dict({
-        "hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "vocab_size": 6, "draft_vocab_size": 2,
-        "edsd_config": {"aux_layer_ids": [1, 2], "aux_layer_id_convention": "layer_input", "fuse_intermediate_size": 8}})
+    cfg = EDSDConfig.from_dict(
+        {
+            "hidden_size": 8,
+            "intermediate_size": 8,
+            "num_attention_heads": 2,
+            "vocab_size": 6,
+            "draft_vocab_size": 2,
+            "edsd_config": {
+                "aux_layer_ids": [1, 2],
+                "aux_layer_id_convention": "layer_input",
+                "fuse_intermediate_size": 8,
+            },
+        }
+    )
     model = EDSDDraftModel(cfg)
     with torch.no_grad():
         model.t2d.copy_(torch.tensor([True, True, False, False, False, False]))
@@ -183,7 +196,9 @@ def test_eagle3_baseline_checkpoint(models, chat_data, tmp_path):
     assert train(models, chat_data, tmp_path / "e3", "--method", "eagle3", "--layers", "1,2,3") == 0
     cfg = json.loads((tmp_path / "e3" / "final" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert (
+        cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    )
     log = [json.loads(l) for l in (tmp_path / "e3" / "train_log.jsonl").read_text().splitlines()]
     assert [e["n_t"] for e in log] == [3, 3, 3] and all(e["p_t"] == 0 for e in log)
     from safetensors.torch import load_file

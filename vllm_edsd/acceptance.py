@@ -34,7 +34,9 @@ def replay(sequence: Sequence[int], prompt_len: int, k: int, chain_at: Callable[
         counters.drafts += bool(draft)
         counters.draft_tokens += len(draft)
         accepted = 0
-        while accepted < len(draft) and c + 1 + accepted < len(sequence) and draft[accepted] == sequence[c + 1 + accepted]:
+        while (
+            accepted < len(draft) and c + 1 + accepted < len(sequence) and draft[accepted] == sequence[c + 1 + accepted]
+        ):
             counters.accepted_per_pos[accepted] += 1
             accepted += 1
         counters.accepted += accepted
@@ -73,7 +75,7 @@ def predict(drafter, target_model, generations: list[tuple[list[int], list[int]]
         chains, entropy = drafter.propose_with_entropy(features[:, :-1], ids[:, 1:], k)
         lengths = kept_lengths(entropy[0], max_entropy).tolist()
         # Row p drafts after the context x_0..x_{p+1}: the context ending at c is row c - 1.
-        results.append(replay(sequence, len(prompt), k, lambda c: chains[0, c - 1, :lengths[c - 1]].tolist()))
+        results.append(replay(sequence, len(prompt), k, lambda c: chains[0, c - 1, :lengths[c - 1]].tolist()))  # noqa: B023 (called at once)
     return total(results)
 
 

@@ -15,11 +15,20 @@ import sys
 from vllm_edsd.errors import EDSDError
 
 SUBCOMMANDS = {
-    "convert": ("weights_convert.cli", "convert an EDSD drafter (this project's training layout or SpecForge's) to the layout vLLM serves"),
+    "convert": (
+        "weights_convert.cli",
+        "convert an EDSD drafter (this project's training layout or SpecForge's) to the layout vLLM serves",
+    ),
     "select": ("vllm_edsd.selection_cli", "EDSelect: score every target layer and pick the two aux layers"),
     "train": ("vllm_edsd.training.cli", "EDTrain: train an EDSD drafter (or an EAGLE-3 baseline) for a target"),
-    "demo": ("vllm_edsd.demo", "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show tau and speed-up"),
-    "build-demo": ("vllm_edsd.demo.build", "train the embedded demo drafters (EDSD + EAGLE-3) for the demo target from PyPI data"),
+    "demo": (
+        "vllm_edsd.demo",
+        "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show tau and speed-up",
+    ),
+    "build-demo": (
+        "vllm_edsd.demo.build",
+        "train the embedded demo drafters (EDSD + EAGLE-3) for the demo target from PyPI data",
+    ),
 }
 
 EPILOG = """\
@@ -41,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = sys.argv[1] if len(sys.argv) > 1 else None
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         if name == chosen:  # only the chosen subcommand's module is imported
             importlib.import_module(module).add_arguments(p)
     return parser

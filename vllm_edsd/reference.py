@@ -272,7 +272,9 @@ class EDSDDraftModel(DraftHead):
     def load_tensors(self, tensors: dict[str, torch.Tensor], layout: Layout, *, source: str) -> None:
         """Load a checkpoint's tensors (``layout``'s names); every parameter exactly once."""
         check_tensors(self.config, {k: tuple(v.shape) for k, v in tensors.items()}, layout, source=source)
-        weights = {k: v for k, v in tensors.items() if not is_side_tensor(k)}  # RoPE caches, KV scales: not weights here
+        weights = {
+            k: v for k, v in tensors.items() if not is_side_tensor(k)
+        }  # RoPE caches, KV scales: not weights here
         self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(weights)})
 
     def save_pretrained(self, path: str | Path, *, layout: Layout = EDSD_TRAINING, dtype: str | None = None) -> None:

@@ -98,7 +98,9 @@ class ClassScatter:
         n, d = self.classes, len(self.mean_sum)
         sigma_w = self.within_sum / n
         mu = self.mean_sum / n
-        sigma_b = (self.mean_outer - n * torch.outer(mu, mu)) / (n - 1) if n > 1 else torch.zeros(d, d, dtype=torch.float64)
+        sigma_b = (
+            (self.mean_outer - n * torch.outer(mu, mu)) / (n - 1) if n > 1 else torch.zeros(d, d, dtype=torch.float64)
+        )
         delta = 1e-4 * float(torch.trace(sigma_w)) / d + 1e-8
         eigval, eigvec = torch.linalg.eigh(sigma_w + delta * torch.eye(d, dtype=torch.float64))
         inv_sqrt = eigvec @ torch.diag(eigval.clamp(min=1e-12).rsqrt()) @ eigvec.T

@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="EDSD drafter directory (this project's training layout or SpecForge's)")
     parser.add_argument("dst", help="output directory (vLLM layout)")
     parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, help="weight dtype of the output (default: the source's)")
-    parser.add_argument("--target", help="target model directory: check the drafter against it and record its fingerprint")
+    parser.add_argument(
+        "--target", help="target model directory: check the drafter against it and record its fingerprint"
+    )
     parser.add_argument("--fold-token-norm", action="store_true",
                         help="fold EDFuse's token norm (RMSNorm or LayerNorm) into a draft-owned embedding "
                              "table made from --target's: one norm less per draft step, one table more in memory")

@@ -77,18 +77,21 @@ class Summary:
         norm = f"{self.token_norm}, " + (
             "folded into a draft-owned embedding table" if self.folded else "kept; embedding shared with the target"
         )
-        return "\n".join([
-            f"converted   {self.src} ({self.layout})",
-            f"        ->  {self.dst}",
-            f"parameters  {self.parameters:,} ({self.dtype})",
-            f"vocabulary  draft {self.draft_vocab_size:,} of target {self.vocab_size:,}",
-            f"aux layers  {self.source_layer_ids} ({self.source_convention}) = {self.vllm_layer_ids} in vLLM's convention",
-            f"token norm  {norm}",
-            f"embedding   {self.embedding}",
-            f"target      {target}",
-            "serve with  --speculative-config "
-            + json.dumps({"method": "edsd", "model": self.dst, "num_speculative_tokens": 4}),
-        ])
+        return "\n".join(
+            [
+                f"converted   {self.src} ({self.layout})",
+                f"        ->  {self.dst}",
+                f"parameters  {self.parameters:,} ({self.dtype})",
+                f"vocabulary  draft {self.draft_vocab_size:,} of target {self.vocab_size:,}",
+                f"aux layers  {self.source_layer_ids} ({self.source_convention}) = "
+                f"{self.vllm_layer_ids} in vLLM's convention",
+                f"token norm  {norm}",
+                f"embedding   {self.embedding}",
+                f"target      {target}",
+                "serve with  --speculative-config "
+                + json.dumps({"method": "edsd", "model": self.dst, "num_speculative_tokens": 4}),
+            ]
+        )
 
 
 def resolve_source(src: Path) -> Path:
@@ -96,7 +99,11 @@ def resolve_source(src: Path) -> Path:
     its latest ``epoch_*_step_*`` save."""
     if not src.is_dir() or (src / "config.json").is_file():
         return src
-    saves = [(tuple(map(int, m.groups())), p) for p in src.iterdir() if (m := SPECFORGE_SAVE.fullmatch(p.name)) and p.is_dir()]
+    saves = [
+        (tuple(map(int, m.groups())), p)
+        for p in src.iterdir()
+        if (m := SPECFORGE_SAVE.fullmatch(p.name)) and p.is_dir()
+    ]
     if not saves:
         return src
     return max(saves)[1]
@@ -123,11 +130,14 @@ def _check_same_embedding(own: torch.Tensor, target_table: torch.Tensor, source:
     """A drafter's copy of the embedding must be its target's (up to the precision it was saved in)."""
     own, target_table = own.float(), target_table.float()
     if own.shape != target_table.shape:
-        raise EDSDError(f"{source}: '{EMBEDDING}' has shape {list(own.shape)}, the target's table {list(target_table.shape)}")
+        raise EDSDError(
+            f"{source}: '{EMBEDDING}' has shape {list(own.shape)}, the target's table {list(target_table.shape)}"
+        )
     scale = target_table.abs().max().clamp(min=1e-6)
     if ((own - target_table).abs().max() / scale) > 1e-2:
         raise EDSDError(
-            f"{source}: '{EMBEDDING}' differs from the embedding of {target}: the drafter was trained for another target"
+            f"{source}: '{EMBEDDING}' differs from the embedding of {target}: "
+            "the drafter was trained for another target"
         )
 
 
@@ -245,7 +255,9 @@ def convert(
     check_vocab_mapping(tensors.get("d2t"), tensors.get("t2d"), cfg.vocab_size, cfg.draft_vocab_size, source)
 
     own_embedding = tensors.pop(EMBEDDING, None)
-    target_table = _target_embedding(target) if target is not None and (fold_token_norm or own_embedding is not None) else None
+    target_table = (
+        _target_embedding(target) if target is not None and (fold_token_norm or own_embedding is not None) else None
+    )
     if own_embedding is None:
         embedding = "none in the checkpoint; vLLM shares the target's"
     elif target_table is None:
@@ -256,7 +268,8 @@ def convert(
     if fold_token_norm:
         if tuple(target_table.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise EDSDError(
-                f"{target}: embedding table has shape {list(target_table.shape)}, expected {[cfg.vocab_size, cfg.hidden_size]}"
+                f"{target}: embedding table has shape {list(target_table.shape)}, "
+                f"expected {[cfg.vocab_size, cfg.hidden_size]}"
             )
         tensors[EMBEDDING] = _fold_token_norm(target_table, tensors, cfg)
         cfg = cfg.with_updates(token_norm_folded=True)

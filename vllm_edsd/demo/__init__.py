@@ -65,18 +65,24 @@ def demo_paths() -> dict[str, str]:
 
     missing = [name for name in ("edsd/config.json", "eagle3/config.json") if not (ASSETS / name).is_file()]
     if missing:
-        raise EDSDError(f"the demo drafters are not in this installation (missing under {ASSETS}: {', '.join(missing)})")
+        raise EDSDError(
+            f"the demo drafters are not in this installation (missing under {ASSETS}: {', '.join(missing)})"
+        )
     return {"target": str(demo_target().resolve()), "edsd": str((ASSETS / "edsd").resolve()),
             "eagle3": str((ASSETS / "eagle3").resolve())}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = "examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods edsd\n  edsd demo --paths"
+    parser.epilog = (
+        "examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods edsd\n  edsd demo --paths"
+    )
     parser.add_argument("--paths", action="store_true", help="print the demo model directories as JSON and exit")
     parser.add_argument("--offline", action="store_true", help="use LLM.generate instead of the OpenAI server")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
-    parser.add_argument("--methods", default="edsd,eagle3", help="drafters to compare with no speculation (default edsd,eagle3)")
+    parser.add_argument(
+        "--methods", default="edsd,eagle3", help="drafters to compare with no speculation (default edsd,eagle3)"
+    )
 
 
 # The demo serves float32 on every CPU: its lossless check compares the drafted run with the
@@ -113,7 +119,9 @@ def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
         replies = [_chat_server(base, prompt, max_tokens) for _, prompt in DEMO_PROMPTS]
         elapsed = time.time() - start
         counters = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text) - before
-        margins = [_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS] if spec is None else None
+        margins = (
+            [_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS] if spec is None else None
+        )
     return _result(replies, elapsed, counters, margins)
 
 
@@ -139,7 +147,9 @@ def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
         counters = spec_counters(llm) - before
         margins = None
         if spec is None:
-            scored = [chat(p, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)) for _, p in DEMO_PROMPTS]
+            scored = [
+                chat(p, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)) for _, p in DEMO_PROMPTS
+            ]
             margins = [[_top2_margin([lp.logprob for lp in step.values()]) for step in out.logprobs] for out in scored]
     return _result([{"text": o.text, "token_ids": o.token_ids} for o in outputs], elapsed, counters, margins)
 
@@ -172,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
     with sigterm_as_interrupt():  # a SIGTERM stops the server or engine running, as Ctrl-C does
         results = {"none": measure(paths["target"], None, args.max_tokens)}
         for method in methods:
-            results[method] = measure(paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens)
+            results[method] = measure(
+                paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
+            )
     shown = "edsd" if "edsd" in results else methods[0]
     for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
         print(f"--- [{kind}] {prompt}\n{text.strip()}\n")
@@ -213,8 +225,11 @@ def summary(results: dict[str, dict], k: int) -> str:
         c = r.get("counters")
         tau = "-" if method == "none" else f"{c.mean_acceptance_length:.2f}"
         per_pos = "-" if method == "none" else " ".join(f"{a:.2f}" for a in c.acceptance_per_position)
-        same = "-" if method == "none" else (
-            f"{sum(first_difference(a, b) is None for a, b in zip(r['token_ids'], plain['token_ids']))}/{len(DEMO_PROMPTS)}")
+        if method == "none":
+            same = "-"
+        else:
+            equal = sum(first_difference(a, b) is None for a, b in zip(r["token_ids"], plain["token_ids"]))
+            same = f"{equal}/{len(DEMO_PROMPTS)}"
         rows.append(f"{method:<8}{tau:>6}  {per_pos:<26}{r['tokens_per_s']:>9.1f}"
                     f"{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}x  {same}")
     rule = "=" * len(rows[0])

@@ -48,9 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "  edsd build-demo --work runs/demo --stop-after regenerate")
     add = parser.add_argument
     add("--work", required=True, help="working directory: data, caches, checkpoints, logs (reuse it to resume)")
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda if present)")
-    add("--chat-prompts", type=int, default=CHAT_PROMPTS, help=f"ShareGPT chat prompts the target answers (default {CHAT_PROMPTS})")
-    add("--code-prompts", type=int, default=CODE_PROMPTS, help=f"ShareGPT code requests the target answers (default {CODE_PROMPTS})")
+    add(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda if present)",
+    )
+    add(
+        "--chat-prompts",
+        type=int,
+        default=CHAT_PROMPTS,
+        help=f"ShareGPT chat prompts the target answers (default {CHAT_PROMPTS})",
+    )
+    add(
+        "--code-prompts",
+        type=int,
+        default=CODE_PROMPTS,
+        help=f"ShareGPT code requests the target answers (default {CODE_PROMPTS})",
+    )
     add("--answer-tokens", type=int, default=192, help="max tokens per regenerated answer (default 192)")
     add("--draft-epochs", type=int, default=5, help="T for both drafters (default 5)")
     add("--ttt-steps", type=int, default=4, help="S_max for EDSD = the fixed TTT steps of EAGLE-3 (default 4)")
@@ -94,7 +108,9 @@ def regenerate_answers(work: Path, target: Path, args: argparse.Namespace) -> Pa
     if not out.is_file():
         prompts = drafter_prompts(args.chat_prompts, args.code_prompts, args.seed)
         conversations = regenerate(str(target), prompts, work / "cache", args.answer_tokens)
-        replace_file(out, lambda tmp: tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations)))
+        replace_file(
+            out, lambda tmp: tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+        )
     return out
 
 

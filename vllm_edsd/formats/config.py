@@ -205,7 +205,9 @@ class EDSDConfig:
             raise EDSDError(f"{source}: field 'edsd_config.token_norm_folded' must be true or false")
         token_norm = edsd.get("token_norm", LEGACY_TOKEN_NORM)
         if token_norm not in TOKEN_NORMS:
-            raise EDSDError(f"{source}: field 'edsd_config.token_norm' is {token_norm!r}; supported: {', '.join(TOKEN_NORMS)}")
+            raise EDSDError(
+                f"{source}: field 'edsd_config.token_norm' is {token_norm!r}; supported: {', '.join(TOKEN_NORMS)}"
+            )
         return cls(
             hidden_size=hidden,
             intermediate_size=need(raw, "intermediate_size", int),

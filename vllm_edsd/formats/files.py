@@ -108,7 +108,9 @@ def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
-        raise EDSDError(f"{file}: cannot be loaded safely as a tensor dictionary ({exc.__class__.__name__}: {exc})") from None
+        raise EDSDError(
+            f"{file}: cannot be loaded safely as a tensor dictionary ({exc.__class__.__name__}: {exc})"
+        ) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise EDSDError(f"{file}: expected a flat dictionary of tensors")
     return state
@@ -286,7 +288,9 @@ def replace_file(path: str | Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], file: str | Path, metadata: dict[str, str] | None = None) -> None:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], file: str | Path, metadata: dict[str, str] | None = None
+) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(file), metadata=metadata or {"format": "pt"})

@@ -82,13 +82,17 @@ def _specforge_config(raw: dict, source: str) -> dict:
     """SpecForge's ``EdsdDraftModel`` config in this project's ``edsd_config`` form."""
     ids = raw.get("target_layer_ids")
     if ids is None:
-        raise EDSDError(f"{source}: missing field 'target_layer_ids' (SpecForge EDSD drafters record their two target layers there)")
+        raise EDSDError(
+            f"{source}: missing field 'target_layer_ids' (SpecForge EDSD drafters record their two target layers there)"
+        )
     if (
         not isinstance(ids, list)
         or len(ids) != 2
         or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
     ):
-        raise EDSDError(f"{source}: field 'target_layer_ids' must list exactly two non-negative target layer ids, got {ids!r}")
+        raise EDSDError(
+            f"{source}: field 'target_layer_ids' must list exactly two non-negative target layer ids, got {ids!r}"
+        )
     if "intermediate_size" not in raw:
         raise EDSDError(f"{source}: missing field 'intermediate_size' (SpecForge's EDFuse and MLP width)")
     eps = raw.get("rms_norm_eps", 1e-6)  # transformers' LlamaConfig default

@@ -57,7 +57,10 @@ def version_supported(version: str) -> bool:
 
 def _range_message(version: str) -> str:
     lo, hi = SUPPORTED_VLLM
-    return f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; the installed vLLM is {version}"
+    return (
+        f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; "
+        f"the installed vLLM is {version}"
+    )
 
 
 def _is_hub_id(model: str) -> bool:
@@ -168,7 +171,9 @@ def _checked_speculative_init(original: Callable) -> Callable:
             if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
                 raw = self.draft_model_config.hf_config.to_dict()
                 if not set(EDSD_VLLM.architectures) & set(self.draft_model_config.architectures or []):
-                    raise EDSDError(f"{kwargs['model']}: not an EDSD drafter (architectures={raw.get('architectures')})")
+                    raise EDSDError(
+                        f"{kwargs['model']}: not an EDSD drafter (architectures={raw.get('architectures')})"
+                    )
                 drafter = EDSD_VLLM.read_config(raw, source=f"{kwargs['model']}/config.json")
             target = TargetFingerprint.from_hf_config(self.target_model_config.hf_text_config)
             drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")

@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", help="aux layer ids, vLLM convention: two for edsd, three for eagle3")
     parser.add_argument("--layers-from", help="the JSON written by `edsd select` (edsd only)")
     parser.add_argument("--epochs", type=int, default=8, help="T (default 8)")
-    parser.add_argument("--ttt-steps", type=int, default=7, help="S_max for edsd, the fixed steps for eagle3 (default 7)")
+    parser.add_argument(
+        "--ttt-steps", type=int, default=7, help="S_max for edsd, the fixed steps for eagle3 (default 7)"
+    )
     parser.add_argument("--edtrain-reading", choices=sorted(READINGS), default="paper",
                         help="which EDTrain to run: 'paper' = Eqs. 5-6 (floor, gamma 3%%, per sample, full-vocabulary "
                              "entropy; default), 'specforge' = SpecForge's code (ceil, 2%% capped at 40%%, ranked over "
@@ -106,7 +108,9 @@ def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]
 def check_numbers(args: argparse.Namespace, vocab: int) -> None:
     """Refuse out-of-range numbers before any work (a 0 must not silently mean "the default")."""
     if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= vocab:
-        raise EDSDError(f"--draft-vocab-size must be in 1..{vocab} (the target's vocabulary), got {args.draft_vocab_size}")
+        raise EDSDError(
+            f"--draft-vocab-size must be in 1..{vocab} (the target's vocabulary), got {args.draft_vocab_size}"
+        )
     for flag in ("epochs", "ttt_steps", "batch_size", "max_length", "fuse_intermediate_size", "intermediate_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -178,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    conversations = load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
+    conversations = (
+        load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
+    )
     if args.regenerate:
         conversations = regenerate(args.target, conversations, out / "cache", args.max_length // 2)
     samples, skipped = tokenize_conversations(tokenizer, conversations, args.max_length)
@@ -190,8 +196,13 @@ def run(args: argparse.Namespace) -> int:
     d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     target_model = load_target(args.target, dtype=getattr(torch, dtype), device=args.device)
-    shards = extract_features(target_model, samples, layers,
-                              out / "cache" / f"features-{cache_key(args.target, layers, samples, dtype)}", device=args.device)
+    shards = extract_features(
+        target_model,
+        samples,
+        layers,
+        out / "cache" / f"features-{cache_key(args.target, layers, samples, dtype)}",
+        device=args.device,
+    )
     model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(args.device)
     # Only the draft vocabulary's rows (in draft-id order: d2t keeps target ids ascending) are read.
     draft_head = target_model.get_output_embeddings().weight.detach()[torch.nonzero(t2d).flatten()].float()

@@ -29,7 +29,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.mlp = SwiGLU(d, cfg.intermediate_size)
 
-    def forward(self, embeds: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
+    ) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], -1)
         a = h + self.self_attn(x, positions, kv)
         return a + self.mlp(self.post_attention_layernorm(a))

@@ -55,7 +55,11 @@ class Recipe:
         return READINGS[self.reading].mask_percent(epoch, self.epochs, self.gamma) if self.mask_p else 0.0
 
     def steps(self, epoch: int) -> int:
-        return READINGS[self.reading].ttt_steps(epoch, self.epochs, self.max_ttt_steps) if self.step_n else self.max_ttt_steps
+        return (
+            READINGS[self.reading].ttt_steps(epoch, self.epochs, self.max_ttt_steps)
+            if self.step_n
+            else self.max_ttt_steps
+        )
 
 
 @dataclass
@@ -125,7 +129,9 @@ def _read_state(path: Path) -> dict:
         raise EDSDError(f"{path}: not a training state this trainer wrote ({reason}); "
                         "remove it to start afresh or use another --out") from None
     if not isinstance(state, dict) or not {"recipe", "model", "optimizer", "epoch"} <= state.keys():
-        raise EDSDError(f"{path}: not a training state this trainer wrote; remove it to start afresh or use another --out")
+        raise EDSDError(
+            f"{path}: not a training state this trainer wrote; remove it to start afresh or use another --out"
+        )
     return state
 
 
@@ -192,7 +198,8 @@ def train(
         save_checkpoint(model, out_dir / f"epoch_{epoch}")
         state = {"recipe": asdict(recipe), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "generator": generator.get_state(), "rng": _rng_state(), "epoch": epoch, "log": log}
-        replace_file(state_path, lambda tmp: torch.save(state, tmp))  # an interruption mid-write keeps the old state
+        # an interruption mid-write keeps the old state
+        replace_file(state_path, lambda tmp: torch.save(state, tmp))  # noqa: B023 (called at once)
         log_path.write_text("".join(json.dumps(e) + "\n" for e in log))  # the log of the saved state
     save_checkpoint(model, out_dir / "final")
     return log
