@@ -37,8 +37,8 @@ def machine() -> dict:
     import vllm
 
     import vllm_edsd
-    from vllm_edsd.serving.engine import cpu_instruction_set
-    from vllm_edsd.serving.server import default_dtype
+    from vllm_edsd.launch.engine import cpu_instruction_set
+    from vllm_edsd.launch.server import default_dtype
 
     accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
     processor = platform.processor() or platform.machine()

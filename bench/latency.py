@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.server import default_dtype, running_server
+from vllm_edsd.launch.server import default_dtype, running_server
 
 from .offline import CATEGORIES, Setup, load_prompts, method_config
 

@@ -15,8 +15,8 @@ from importlib import resources
 from tqdm import tqdm
 
 from vllm_edsd.data import load_humaneval
+from vllm_edsd.launch.engine import engine_dtype, llm_session, spec_counters, speculative_config
 from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
-from vllm_edsd.serving.engine import engine_dtype, llm_session, spec_counters, speculative_config
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 # Methods that are another method's drafter under other serving settings: name -> (drafter's

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from specforge_layout import write_specforge_checkpoint
+from support.specforge_layout import write_specforge_checkpoint
+from support.toy import make_drafter, make_target, toy_corpus
 
-from vllm_edsd.acceptance import replay, total
-from vllm_edsd.formats.config import LAYERNORM, RMSNORM
-from vllm_edsd.formats.layouts import EDSD_TRAINING
-from vllm_edsd.toy import make_drafter, make_target, toy_corpus
+from vllm_edsd.checkpoint.config import LAYERNORM, RMSNORM
+from vllm_edsd.checkpoint.layouts import EDSD_TRAINING
+from vllm_edsd.training.acceptance import replay, total
 from weights_convert import convert
 
 HERE = Path(__file__).parent
@@ -42,7 +42,7 @@ def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
     full_env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
     with open(log_file, "w") as log:
         proc = subprocess.run(
-            [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(out_file)],
+            [sys.executable, str(HERE / "support" / "engine_job.py"), str(job_file), str(out_file)],
             stdout=log, stderr=subprocess.STDOUT, env=full_env, timeout=ENGINE_TIMEOUT_S,
         )
     if proc.returncode != 0:
@@ -159,9 +159,9 @@ def predicted_counters(trained: dict, outputs: list[list[int]], k: int, max_entr
     """What the reference model, loaded from the unfolded conversion of the trained drafter,
     predicts for these greedy outputs of ``trained["prompts"]`` (with ``max_entropy``: under
     the adaptive draft length)."""
-    from vllm_edsd.acceptance import predict
-    from vllm_edsd.reference import EDSDDraftModel
-    from vllm_edsd.target import load_target
+    from vllm_edsd.model.edsd import EDSDDraftModel
+    from vllm_edsd.target.hidden_states import load_target
+    from vllm_edsd.training.acceptance import predict
 
     target = load_target(trained["target"])
     drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
@@ -186,7 +186,7 @@ def most_frequent_greedy_token(target_dir: Path, limit: int) -> int:
 
     import torch
 
-    from vllm_edsd.target import load_target
+    from vllm_edsd.target.hidden_states import load_target
 
     model = load_target(target_dir)
     counts: Counter = Counter()
@@ -272,6 +272,46 @@ def trained(fitted_target, tmp_path_factory) -> dict:
             "prompts": prompts, "chats": chats}
 
 
+@pytest.fixture(scope="module")
+def drafters(models, tmp_path_factory) -> dict[str, str]:
+    """Broken variants of the toy drafter, one defect each."""
+    root = tmp_path_factory.mktemp("bad-drafters")
+    good = models["llama-edsd"]
+
+    def variant(name: str, edit_config=None, edit_tensors=None) -> str:
+        return str(edited_copy(good, root / name, edit_config, edit_tensors))
+
+    def three_ids(cfg):
+        cfg["edsd_config"]["aux_layer_ids"] = [1, 2, 3]
+
+    def out_of_range(cfg):
+        cfg["edsd_config"]["aux_layer_ids"] = [1, 9]
+        cfg["edsd_config"].pop("target")
+
+    make_drafter(models["llama-narrow"], root / "other-target-drafter", draft_vocab_size=256)
+    no_weights = variant("no-weights")
+    (root / "no-weights" / "model.safetensors").unlink()
+    no_config = variant("no-config")
+    (root / "no-config" / "config.json").unlink()
+    (root / "broken-json").mkdir()
+    (root / "broken-json" / "config.json").write_text("{not json")
+    make_drafter(models["llama"], root / "training-layout", draft_vocab_size=256, layout=EDSD_TRAINING)
+    return {
+        "three_ids": variant("three-ids", three_ids),
+        "out_of_range": variant("out-of-range", out_of_range),
+        "missing_tensor": variant("missing-tensor", edit_tensors=lambda t: t.pop("lm_head.weight")),
+        "wrong_shape": variant(
+            "wrong-shape", edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:, :100].clone()})
+        ),
+        "other_target": str(root / "other-target-drafter"),
+        "no_weights": no_weights,
+        "no_config": no_config,
+        "broken_json": str(root / "broken-json"),
+        "training_layout": str(root / "training-layout"),
+        "missing_dir": str(root / "does-not-exist"),
+    }
+
+
 @pytest.fixture(scope="session")
 def parity_drafters(models, tmp_path_factory) -> dict:
     """Drafters whose drafts depend on every weight (random, token norms too), one per token
@@ -342,3 +382,15 @@ def drafting_engines(metrics: str) -> set[str]:
     """The engine indices whose ``/metrics`` series count at least one draft."""
     return {line.split('engine="', 1)[1].split('"', 1)[0] for line in metrics.splitlines()
             if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA (``pytest -m gpu tests/engine`` on a GPU machine): skipped
+    where torch sees no GPU."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            for item in gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

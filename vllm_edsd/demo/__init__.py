@@ -45,7 +45,7 @@ def measure_acceptance(target: str, method: str, drafter: str) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_edsd.serving.engine import llm_session, spec_counters, speculative_config
+    from vllm_edsd.launch.engine import llm_session, spec_counters, speculative_config
 
     spec = speculative_config(method, drafter, ACCEPTANCE_CHECK["k"])
     params = SamplingParams(temperature=0, max_tokens=ACCEPTANCE_CHECK["max_tokens"], ignore_eos=True)
@@ -72,6 +72,11 @@ def demo_paths() -> dict[str, str]:
             "eagle3": str((ASSETS / "eagle3").resolve())}
 
 
+# The `edsd demo` subcommand (vllm_edsd.command).
+name = "demo"
+help = "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show tau and speed-up"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods edsd\n  edsd demo --paths"
@@ -94,7 +99,7 @@ DEMO_DTYPE = "float32"
 def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) -> dict:
     """One greedy reply: its text and token ids, and with ``top2`` the target's top-2 logit
     margin at each position (a difference of log-probabilities is one of logits)."""
-    from vllm_edsd.serving.server import post_json
+    from vllm_edsd.launch.server import post_json
 
     body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "return_token_ids": True, **({"logprobs": True, "top_logprobs": 2} if top2 else {})}
@@ -109,8 +114,8 @@ def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) ->
 def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
     import requests
 
-    from vllm_edsd.serving.engine import parse_prometheus_counters
-    from vllm_edsd.serving.server import running_server
+    from vllm_edsd.launch.engine import parse_prometheus_counters
+    from vllm_edsd.launch.server import running_server
 
     with running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE]) as base:
         _chat_server(base, "Hello!", 8)  # warm-up
@@ -134,7 +139,7 @@ def _result(replies: list[dict], elapsed: float, counters, margins: list[list[fl
 def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
     from vllm import SamplingParams
 
-    from vllm_edsd.serving.engine import llm_session, spec_counters
+    from vllm_edsd.launch.engine import llm_session, spec_counters
 
     def chat(prompt: str, params: SamplingParams):
         return llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
@@ -161,8 +166,8 @@ def _top2_margin(logprobs: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_edsd.serving.engine import speculative_config
-    from vllm_edsd.serving.server import sigterm_as_interrupt
+    from vllm_edsd.launch.engine import speculative_config
+    from vllm_edsd.launch.server import sigterm_as_interrupt
 
     paths = demo_paths()
     if args.paths:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_edsd.checkpoint.files import finished_checkpoint, replace_file
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.formats.files import finished_checkpoint, replace_file
 
 from . import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, measure_acceptance
 from .target import demo_target
@@ -38,6 +38,11 @@ CHAT_PROMPTS, CODE_PROMPTS = 480, 240  # the shipped drafters' data (with the se
 PROMPT_CHARS = 600  # prompts are cut: training cost grows with every token of context
 CODE_REQUEST = re.compile(r"\b(python|javascript|typescript|java|c\+\+|rust|golang|sql|function|code|script|"
                           r"class|regex|bash|html|css|program)\b", re.IGNORECASE)
+
+
+# The `edsd build-demo` subcommand (vllm_edsd.command).
+name = "build-demo"
+help = "train the embedded demo drafters (EDSD + EAGLE-3) for the demo target from PyPI data"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,9 +120,15 @@ def regenerate_answers(work: Path, target: Path, args: argparse.Namespace) -> Pa
 
 
 def _edsd(argv: list[str]) -> None:
-    from vllm_edsd.cli import main
+    """``edsd NAME ARGS...`` for the three stages it builds on, each through its own module
+    (the ``edsd`` command's table is above the demo)."""
+    import importlib
 
-    if main(argv) != 0:
+    from vllm_edsd.command import call
+
+    stages = {"select": "vllm_edsd.target.select_cli", "train": "vllm_edsd.training.cli",
+              "convert": "vllm_edsd.conversion.cli"}
+    if call(importlib.import_module(stages[argv[0]]), argv[1:]) != 0:
         raise EDSDError(f"building the demo failed at `edsd {' '.join(argv)}`")
 
 
@@ -163,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 def ship(work: Path, target: Path, converted: Path) -> None:
     """Copy both drafters (fp16), EDSelect's choice and the training logs into the package,
     with each drafter's acceptance on the demo prompts (``acceptance.json``, what the tests check)."""
-    from vllm_edsd.formats.files import atomic_directory, cast_checkpoint
+    from vllm_edsd.checkpoint.files import atomic_directory, cast_checkpoint
 
     with atomic_directory(ASSETS, force=True) as staging:
         shutil.copytree(converted, staging / "edsd")

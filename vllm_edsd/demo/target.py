@@ -99,7 +99,7 @@ def _gguf_model(source: Path):
 
 def convert_gguf(source: Path, out: Path) -> Path:
     """Dequantize ``source`` into a bf16 Hugging Face checkpoint at ``out`` (atomic)."""
-    from vllm_edsd.formats.files import atomic_directory
+    from vllm_edsd.checkpoint.files import atomic_directory
 
     model, tokenizer = _gguf_model(source)
     with atomic_directory(out, force=True) as staging:

@@ -172,21 +172,3 @@ class AdaptiveProposer:
         if self.lengths is None:  # no draft step ran (vLLM asked for 0 tokens)
             return drafts
         return [row[:n] for row, n in zip(drafts.tolist(), self.lengths.tolist())]
-
-
-def attach(proposer: Any) -> None:
-    """Hook ``proposer`` if it drives an EDSD drafter whose config asks for adaptive drafting.
-
-    Called after vLLM's ``load_model`` on every V1 EAGLE proposer."""
-    from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM
-
-    model = proposer.model
-    model = model.unwrap() if hasattr(model, "unwrap") else model
-    if not isinstance(model, EDSDLlamaForCausalLM) or model.adaptive is None:
-        return
-    if isinstance(getattr(proposer.propose, "__self__", None), AdaptiveProposer):
-        return  # hooked already (load_model called again): a second hook would wrap the first
-    if getattr(proposer, "use_local_argmax_reduction", False):
-        raise EDSDError(f"{ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
-    data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1
-    AdaptiveProposer(proposer, model, model.adaptive, data_parallel)

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
+from vllm_edsd.checkpoint.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
+from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.data import load_conversations, load_sharegpt
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
-from vllm_edsd.formats.files import replace_file
+from vllm_edsd.model.eagle3 import Eagle3DraftModel
+from vllm_edsd.model.edsd import EDSDDraftModel
+from vllm_edsd.target.hidden_states import decoder_of, load_target
 
-from ..data import load_conversations, load_sharegpt
-from ..reference import EDSDDraftModel
-from ..target import decoder_of, load_target
-from .eagle3 import Eagle3DraftModel
 from .features import cache_key, extract_features, tokenize_conversations
 from .schedule import READINGS
 from .trainer import Recipe, train
@@ -40,6 +40,11 @@ examples:
   edsd train TARGET --out runs/edsd --layers 2,3 --epochs 2 --max-samples 64 --device cpu
 then: edsd convert runs/edsd/final drafter   (the EAGLE-3 checkpoint is served as it is)
 """
+
+
+# The `edsd train` subcommand (vllm_edsd.command).
+name = "train"
+help = "EDTrain: train an EDSD drafter (or an EAGLE-3 baseline) for a target"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +138,7 @@ def regenerate(target: str, conversations: list, cache_dir: Path, max_tokens: in
         return [json.loads(line) for line in cache.read_text().splitlines()]
     from vllm import SamplingParams
 
-    from vllm_edsd.serving.engine import llm_session
+    from vllm_edsd.launch.engine import llm_session
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     # An offline batch job: on CPU let vLLM compute on every core (it reserves one for serving).

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..data import Conversation, render_many
-from ..formats.files import replace_file
-from ..target import run_target, token_entropy
+from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.data import Conversation, render_many
+from vllm_edsd.target.hidden_states import run_target, token_entropy
 
 SHARD_SIZE = 64
 CACHE_FORMAT = 2  # bump when a record's fields change: the key then misses old caches

@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..errors import EDSDError
-from ..formats.files import replace_file
-from ..reference import KeyValueSteps
-from ..target import token_entropy
+from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.model.edsd import KeyValueSteps
+from vllm_edsd.target.hidden_states import token_entropy
+
 from .features import iterate_batches
 from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
