@@ -1,6 +1,6 @@
 """The EDSD draft configuration: one parser and validator for every checkpoint layout.
 
-This project's training layout (SPEC §3.1) and the vLLM layout (SPEC §3.2) share the Llama
+This project's training layout (docs/formats.md) and the vLLM layout (docs/formats.md) share the Llama
 hyper-parameters of the draft decoder layer plus an ``edsd_config`` block; SpecForge's
 config is translated into that form by ``layouts.py`` first. This module is the only place
 that reads or writes the fields, so the converter, the trainer, the reference model and the
@@ -246,7 +246,7 @@ class EDSDConfig:
         intermediate_size: int | None = None,
         token_norm: str = RMSNORM,
     ) -> EDSDConfig:
-        """A drafter shaped for a target's ``config.json`` (SPEC §2 defaults: d = d_t,
+        """A drafter shaped for a target's ``config.json`` (docs/formats.md defaults: d = d_t,
         m = the target's FFN width, the target's attention geometry and RoPE; the token
         norm of SpecForge's EDSD unless asked otherwise)."""
         t = target.get("text_config") or target
@@ -318,7 +318,7 @@ class EDSDConfig:
         return block
 
     def to_training_dict(self, architecture: str) -> dict:
-        """config.json of the training layout (SPEC §3.1), ids in vLLM's convention."""
+        """config.json of the training layout (docs/formats.md), ids in vLLM's convention."""
         return {
             "architectures": [architecture],
             **self.llama_fields(),
@@ -326,7 +326,7 @@ class EDSDConfig:
         }
 
     def to_vllm_dict(self, architecture: str) -> dict:
-        """config.json of the vLLM layout (SPEC §3.2)."""
+        """config.json of the vLLM layout (docs/formats.md)."""
         ids = list(self.aux_layer_ids)
         return {
             "architectures": [architecture],

@@ -2,14 +2,14 @@
 
 A layout is a way of writing the same drafter: its architecture name, its config fields and
 its tensor names. Tensor names are mapped to the *canonical* names (the parameter names of
-``reference.EDSDDraftModel``) by one declarative table per layout, the way vLLM's
+``vllm_edsd.model.edsd.EDSDDraftModel``) by one declarative table per layout, the way vLLM's
 ``WeightsMapper`` maps a checkpoint onto a model; nothing else renames tensors.
 
-* ``EDSD_TRAINING`` — what ``edsd train`` writes (SPEC §3.1): canonical names, ``edsd_config``.
+* ``EDSD_TRAINING`` — what ``edsd train`` writes (docs/formats.md): canonical names, ``edsd_config``.
 * ``SPECFORGE_EDSD`` — SpecForge's ``EdsdDraftModel`` (the paper's training code): a plain
   Llama config with ``target_layer_ids`` in the "output of layer i" convention, the EDFuse
   width in ``intermediate_size``, an RMSNorm ``embnorm`` and ``midlayer.hidden_norm``.
-* ``EDSD_VLLM`` — what the plugin serves (SPEC §3.2); EDFuse's projections are renamed so
+* ``EDSD_VLLM`` — what the plugin serves (docs/formats.md); EDFuse's projections are renamed so
   vLLM's stacked gate/up loaders do not catch them.
 * ``EAGLE3`` — the baseline, in the names vLLM's own ``"method": "eagle3"`` loads.
 """

@@ -1,5 +1,5 @@
 """EDSD drafters as they exist in the wild (this project's training layout, SpecForge's
-``EdsdDraftModel``) → the layout vLLM serves (SPEC §3.2).
+``EdsdDraftModel``) → the layout vLLM serves (docs/formats.md).
 
 Everything is validated before anything is written: the config, every tensor's name and
 shape (from the safetensors header), ``d2t``/``t2d`` against the vocabulary sizes, and, with a

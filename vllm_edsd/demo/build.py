@@ -8,7 +8,7 @@ interrupted stage left, such as a config.json without weights, is redone):
    code prompts (ShareGPT requests that mention code); HumanEval and the demo's and bench's
    prompts are in no stage, so they stay held out;
 2. ``regenerate`` the target answers them through vLLM (greedy), so the drafters learn the
-   target's own distribution (SPEC §5);
+   target's own distribution (docs/architecture.md, "Data flow");
 3. ``select``     EDSelect on the target;
 4. ``edsd`` / ``eagle3``  ``edsd train`` for both methods: same data, order, seed, epochs, TTT
    budget, draft vocabulary; EDSD with EDSelect's layers and EDTrain, EAGLE-3 with vLLM's

@@ -1,7 +1,7 @@
-"""The EAGLE-3 baseline drafter in plain PyTorch, built from the reference model's blocks,
+"""The EAGLE-3 baseline drafter in plain PyTorch, built from the EDSD model's blocks (``model/edsd.py``),
 saved in the layout vLLM's built-in ``"method": "eagle3"`` loads (SpecForge names).
 
-Differences from EDSD (FORMATS_NOTES §1): ``fc`` reads *three* target layers (3d → d); the
+Differences from EDSD (docs/formats.md, "EAGLE-3"): ``fc`` reads *three* target layers (3d → d); the
 decoder layer's attention reads ``cat[input_layernorm(embedding), hidden_norm(h)]`` (2d) and
 its residual is ``h`` taken before ``hidden_norm``; there is no EDFuse.
 """

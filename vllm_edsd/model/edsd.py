@@ -1,4 +1,5 @@
-"""The EDSD draft model in plain PyTorch (SPEC §2): the one definition of the architecture.
+"""The EDSD draft model in plain PyTorch: the one definition of the architecture
+(docs/architecture.md, "The EDSD draft model").
 
 Training, the converter's validation, the offline acceptance predictor and the parity tests
 all use this module; ``vllm_model.py`` mirrors it with vLLM's parallel layers. It imports
@@ -234,7 +235,7 @@ def draft_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class EDSDDraftModel(DraftHead):
-    """The EDSD drafter. Parameter names are those of the training layout (SPEC §3.1)."""
+    """The EDSD drafter. Parameter names are those of the training layout (docs/formats.md, "Training layout")."""
 
     def __init__(self, cfg: EDSDConfig) -> None:
         super().__init__(cfg, num_aux=2)

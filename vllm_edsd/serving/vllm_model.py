@@ -1,4 +1,4 @@
-"""The EDSD draft model for vLLM, mirroring ``reference.py`` with vLLM's parallel layers.
+"""The EDSD draft model for vLLM, mirroring ``vllm_edsd/model/edsd.py`` with vLLM's parallel layers.
 
 It subclasses vLLM's ``Eagle3LlamaForCausalLM`` because the EAGLE proposer asserts that
 type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and

@@ -1,4 +1,4 @@
-"""EDSelect (SPEC §4): score every target layer's representations and pick two.
+"""EDSelect (docs/architecture.md, "Data flow"): score every target layer's representations and pick two.
 
 Layer ids are vLLM's: id l is the residual stream at the input of decoder layer l (1..N;
 id 0, the raw embeddings, carries no context and is not a candidate). Metrics, all computed

@@ -1,4 +1,4 @@
-"""EDTrain's loop over training-time test (SPEC §5), shared by EDSD and the EAGLE-3 baseline.
+"""EDTrain's loop over training-time test (docs/architecture.md, "Data flow"), shared by EDSD and the EAGLE-3 baseline.
 
 Alignment: the drafter at index p receives the target feature f_p and the token x_{p+1} and
 predicts x_{p+2}, whose target distribution is the target's output at position p+1. Step k
