@@ -37,8 +37,8 @@ def machine() -> dict:
     import vllm
 
     import vllm_edsd
-    from vllm_edsd.serving.engine import cpu_instruction_set
-    from vllm_edsd.serving.server import default_dtype
+    from vllm_edsd.launch.engine import cpu_instruction_set
+    from vllm_edsd.launch.server import default_dtype
 
     accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
     processor = platform.processor() or platform.machine()
@@ -56,10 +56,13 @@ def machine() -> dict:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="example (GPU):\n  python -m bench all --target meta-llama/Llama-3.1-8B-Instruct "
-                                            "--eagle3 DRAFT_E3 --edsd DRAFT_EDSD --out results/")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example (GPU):\n  python -m bench all --target meta-llama/Llama-3.1-8B-Instruct "
+        "--eagle3 DRAFT_E3 --edsd DRAFT_EDSD --out results/",
+    )
     parser.add_argument("suite", choices=(*SUITES, "all"))
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--target", help="target model (default: the embedded demo target)")

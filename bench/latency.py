@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.server import default_dtype, running_server
+from vllm_edsd.launch.server import default_dtype, running_server
 
 from .offline import CATEGORIES, Setup, load_prompts, method_config
 
@@ -81,10 +81,15 @@ def aggregate(records: list[dict], scheduled: int) -> dict:
     window = max((r["start_s"] + r["e2e_s"] for r in ok), default=0.0) - (starts[0] if starts else 0.0)
     tokens = sum(r["output_tokens"] for r in ok)
     return {
-        "num_requests": scheduled, "failures": sum(reasons.values()), "failure_reasons": dict(reasons),
+        "num_requests": scheduled,
+        "failures": sum(reasons.values()),
+        "failure_reasons": dict(reasons),
         "late_starts": sum(r["start_s"] - r["scheduled_s"] > LATE_S for r in records),
-        "achieved_qps": (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 1 and starts[-1] > starts[0] else None,
-        "output_tokens": tokens, "output_tokens_per_s": tokens / window if window > 0 else None,
+        "achieved_qps": (len(starts) - 1) / (starts[-1] - starts[0])
+        if len(starts) > 1 and starts[-1] > starts[0]
+        else None,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / window if window > 0 else None,
         **summary([r["e2e_s"] for r in ok], "e2e"),
         **summary([v for v in map(ttft, ok) if v is not None], "ttft"),
         **summary([v for v in map(itl, ok) if v is not None], "itl"),
@@ -121,7 +126,9 @@ def run_rate(base: str, prompts: list[list[dict]], qps: float, num_requests: int
              workdir: Path) -> dict:
     """One locust run of ``num_requests`` Poisson arrivals at ``qps``; the row's latency numbers."""
     messages = [prompts[i % len(prompts)] for i in range(num_requests)]
-    records = run_locust(base, messages, poisson_schedule(qps, num_requests), max_tokens, max_users, workdir, f"qps{qps}")
+    records = run_locust(
+        base, messages, poisson_schedule(qps, num_requests), max_tokens, max_users, workdir, f"qps{qps}"
+    )
     return {"qps": qps, "users": min(num_requests, max_users), **aggregate(records, num_requests)}
 
 

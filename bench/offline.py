@@ -15,8 +15,8 @@ from importlib import resources
 from tqdm import tqdm
 
 from vllm_edsd.data import load_humaneval
+from vllm_edsd.launch.engine import engine_dtype, llm_session, spec_counters, speculative_config
 from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
-from vllm_edsd.serving.engine import engine_dtype, llm_session, spec_counters, speculative_config
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 # Methods that are another method's drafter under other serving settings: name -> (drafter's
@@ -24,9 +24,16 @@ CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 # (``num_speculative_tokens_per_batch_size``), set from the static K figures of this CPU: K up
 # to batch 4, K/2 to 16, 1 above.
 VARIANTS = {
-    "edsd-adaptive": ("edsd", lambda k, threshold: {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold}),
-    "edsd-batch-table": ("edsd", lambda k, threshold: {
-        "num_speculative_tokens_per_batch_size": [[1, 4, k], [5, 16, max(1, k // 2)], [17, 17, 1]]}),
+    "edsd-adaptive": (
+        "edsd",
+        lambda k, threshold: {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold},
+    ),
+    "edsd-batch-table": (
+        "edsd",
+        lambda k, threshold: {
+            "num_speculative_tokens_per_batch_size": [[1, 4, k], [5, 16, max(1, k // 2)], [17, 17, 1]]
+        },
+    ),
 }
 
 
@@ -107,10 +114,17 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
         tokens += sum(len(o.outputs[0].token_ids) for o in llm.chat(group, params, use_tqdm=False))
     elapsed = time.perf_counter() - start
     counters = spec_counters(llm) - before
-    return {"dtype": engine_dtype(llm), "output_tokens": tokens, "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
-            "tau": counters.mean_acceptance_length, "acceptance_per_pos": counters.acceptance_per_position,
-            "drafts": counters.drafts, "draft_tokens": counters.draft_tokens,
-            "mean_draft_length": counters.mean_draft_length}
+    return {
+        "dtype": engine_dtype(llm),
+        "output_tokens": tokens,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": tokens / elapsed,
+        "tau": counters.mean_acceptance_length,
+        "acceptance_per_pos": counters.acceptance_per_position,
+        "drafts": counters.drafts,
+        "draft_tokens": counters.draft_tokens,
+        "mean_draft_length": counters.mean_draft_length,
+    }
 
 
 def with_speedup(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
@@ -164,7 +178,9 @@ def robustness(setup: Setup) -> list[dict]:
                 result = generate(llm, convs, 0.0, setup.max_tokens, one_at_a_time=False)
                 rows.append({"suite": "robustness", "method": method, "k": k, "system_prompt": name,
                              "temperature": 0.0, **result})
-        default = next(r["tau"] for r in rows if r["method"] == method and r["k"] == k and r["system_prompt"] == "default")
+        default = next(
+            r["tau"] for r in rows if r["method"] == method and r["k"] == k and r["system_prompt"] == "default"
+        )
         for r in rows:
             if r["method"] == method and r["k"] == k:
                 r["tau_drop"] = None if not default or r["tau"] is None else (r["tau"] - default) / default

@@ -21,40 +21,120 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def render(results: dict) -> str:
     runs, m = results["runs"], results["machine"]
-    out = [f"# Benchmark report\n\nmachine: {m['processor']} ({m['cores']} cores; {m.get('cpu_instruction_set', '?')}), "
-           f"accelerator: {m['accelerator']}; engines' dtype: {m.get('default_dtype', '?')} (each row names its own); "
-           f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}\n\ntarget: `{results['config']['target']}`; "
-           f"drafters: " + ", ".join(f"{k} `{v}`" for k, v in results["config"]["drafters"].items())
-           + f"\n\ncommand: `{results['config']['command']}`\n"]
+    out = [
+        f"# Benchmark report\n\nmachine: {m['processor']} ({m['cores']} cores; {m.get('cpu_instruction_set', '?')}), "
+        f"accelerator: {m['accelerator']}; engines' dtype: {m.get('default_dtype', '?')} (each row names its own); "
+        f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}\n\ntarget: `{results['config']['target']}`; "
+        f"drafters: "
+        + ", ".join(f"{k} `{v}`" for k, v in results["config"]["drafters"].items())
+        + f"\n\ncommand: `{results['config']['command']}`\n"
+    ]
     for suite, reason in results.get("failed_suites", {}).items():
         out.append(f"\n**The {suite} suite failed** ({reason}); it has no rows below.\n")
     acc = [r for r in runs if r["suite"] == "acceptance"]
     if acc:
         out.append("## Acceptance (batch size 1)\n\nτ = mean acceptance length; draft len = mean tokens per draft "
                    "(K unless the length adapts); speed-up over no speculation in the same run.\n")
-        out.append(_table(["method", "K", "T", "category", "dtype", "τ", "acceptance per position", "draft len", "tok/s",
-                           "speed-up"], [
-            [r["method"], str(r["k"]), _fmt(r["temperature"], ".0f"), r["category"], _dtype(r), _fmt(r["tau"]),
-             " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]), _fmt(r.get("mean_draft_length")),
-             _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r["speedup"])] for r in acc]))
+        out.append(
+            _table(
+                [
+                    "method",
+                    "K",
+                    "T",
+                    "category",
+                    "dtype",
+                    "τ",
+                    "acceptance per position",
+                    "draft len",
+                    "tok/s",
+                    "speed-up",
+                ],
+                [
+                    [
+                        r["method"],
+                        str(r["k"]),
+                        _fmt(r["temperature"], ".0f"),
+                        r["category"],
+                        _dtype(r),
+                        _fmt(r["tau"]),
+                        " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]),
+                        _fmt(r.get("mean_draft_length")),
+                        _fmt(r["output_tokens_per_s"], ".1f"),
+                        _fmt(r["speedup"]),
+                    ]
+                    for r in acc
+                ],
+            )
+        )
     thr = [r for r in runs if r["suite"] == "throughput"]
     if thr:
         out.append("\n## Throughput vs batch size (chain drafting)\n")
-        out.append(_table(["method", "K", "T", "batch", "dtype", "tok/s", "speed-up", "τ", "draft len"], [
-            [r["method"], str(r["k"]), _fmt(r["temperature"], ".0f"), str(r["batch_size"]), _dtype(r),
-             _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r["speedup"]), _fmt(r["tau"]), _fmt(r.get("mean_draft_length"))]
-            for r in thr]))
+        out.append(
+            _table(
+                ["method", "K", "T", "batch", "dtype", "tok/s", "speed-up", "τ", "draft len"],
+                [
+                    [
+                        r["method"],
+                        str(r["k"]),
+                        _fmt(r["temperature"], ".0f"),
+                        str(r["batch_size"]),
+                        _dtype(r),
+                        _fmt(r["output_tokens_per_s"], ".1f"),
+                        _fmt(r["speedup"]),
+                        _fmt(r["tau"]),
+                        _fmt(r.get("mean_draft_length")),
+                    ]
+                    for r in thr
+                ],
+            )
+        )
     lat = [r for r in runs if r["suite"] == "latency"]
     if lat:
         out.append("\n## Latency vs request rate (open-loop Poisson arrivals, streaming, seconds)\n\n"
                    "ITL = mean time per output token after the first chunk, per request; late = requests sent "
                    "over 50 ms after their scheduled arrival.\n")
-        out.append(_table(["method", "K", "dtype", "QPS", "achieved QPS", "requests", "failures", "late", "e2e mean", "e2e p50",
-                           "e2e p99", "TTFT mean", "TTFT p50", "TTFT p99", "ITL mean", "ITL p50", "ITL p99", "tok/s"], [
-            [r["method"], str(r["k"]), _dtype(r), _fmt(r["qps"], "g"), _fmt(r["achieved_qps"]), str(r["num_requests"]),
-             str(r["failures"]), str(r["late_starts"]), _fmt(r["e2e_mean_s"]), _fmt(r["e2e_p50_s"]), _fmt(r["e2e_p99_s"]),
-             *(_fmt(r[f"{m}_{stat}_s"], ".3f") for m in ("ttft", "itl") for stat in ("mean", "p50", "p99")),
-             _fmt(r["output_tokens_per_s"], ".1f")] for r in lat]))
+        out.append(
+            _table(
+                [
+                    "method",
+                    "K",
+                    "dtype",
+                    "QPS",
+                    "achieved QPS",
+                    "requests",
+                    "failures",
+                    "late",
+                    "e2e mean",
+                    "e2e p50",
+                    "e2e p99",
+                    "TTFT mean",
+                    "TTFT p50",
+                    "TTFT p99",
+                    "ITL mean",
+                    "ITL p50",
+                    "ITL p99",
+                    "tok/s",
+                ],
+                [
+                    [
+                        r["method"],
+                        str(r["k"]),
+                        _dtype(r),
+                        _fmt(r["qps"], "g"),
+                        _fmt(r["achieved_qps"]),
+                        str(r["num_requests"]),
+                        str(r["failures"]),
+                        str(r["late_starts"]),
+                        _fmt(r["e2e_mean_s"]),
+                        _fmt(r["e2e_p50_s"]),
+                        _fmt(r["e2e_p99_s"]),
+                        *(_fmt(r[f"{m}_{stat}_s"], ".3f") for m in ("ttft", "itl") for stat in ("mean", "p50", "p99")),
+                        _fmt(r["output_tokens_per_s"], ".1f"),
+                    ]
+                    for r in lat
+                ],
+            )
+        )
     rob = [r for r in runs if r["suite"] == "robustness"]
     if rob:
         out.append("\n## Robustness to system prompts (paper Table 14; τ change vs no system prompt)\n")

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.specforge_layout import write_specforge_checkpoint
+from support.toy import make_drafter, make_target, toy_corpus
 
-from specforge_layout import write_specforge_checkpoint
-from vllm_edsd.acceptance import replay, total
-from vllm_edsd.formats.config import LAYERNORM, RMSNORM
-from vllm_edsd.formats.layouts import EDSD_TRAINING
-from vllm_edsd.toy import make_drafter, make_target, toy_corpus
+from vllm_edsd.checkpoint.config import LAYERNORM, RMSNORM
+from vllm_edsd.checkpoint.layouts import EDSD_TRAINING
+from vllm_edsd.training.acceptance import replay, total
 from weights_convert import convert
 
 HERE = Path(__file__).parent
@@ -42,7 +42,7 @@ def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
     full_env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
     with open(log_file, "w") as log:
         proc = subprocess.run(
-            [sys.executable, str(HERE / "engine_job.py"), str(job_file), str(out_file)],
+            [sys.executable, str(HERE / "support" / "engine_job.py"), str(job_file), str(out_file)],
             stdout=log, stderr=subprocess.STDOUT, env=full_env, timeout=ENGINE_TIMEOUT_S,
         )
     if proc.returncode != 0:
@@ -165,9 +165,9 @@ def predicted_counters(trained: dict, outputs: list[list[int]], k: int, max_entr
     """What the reference model, loaded from the unfolded conversion of the trained drafter,
     predicts for these greedy outputs of ``trained["prompts"]`` (with ``max_entropy``: under
     the adaptive draft length)."""
-    from vllm_edsd.acceptance import predict
-    from vllm_edsd.reference import EDSDDraftModel
-    from vllm_edsd.target import load_target
+    from vllm_edsd.model.edsd import EDSDDraftModel
+    from vllm_edsd.target.hidden_states import load_target
+    from vllm_edsd.training.acceptance import predict
 
     target = load_target(trained["target"])
     drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
@@ -192,7 +192,7 @@ def most_frequent_greedy_token(target_dir: Path, limit: int) -> int:
 
     import torch
 
-    from vllm_edsd.target import load_target
+    from vllm_edsd.target.hidden_states import load_target
 
     model = load_target(target_dir)
     counts: Counter = Counter()
@@ -213,14 +213,18 @@ def models(tmp_path_factory) -> dict:
         "llama-narrow": make_target(root / "llama-narrow", hidden_size=128, num_heads=2, num_kv_heads=1),
     }
     # The main drafter takes the user's path: training layout, then `edsd convert`.
-    make_drafter(paths["llama"], root / "llama-edsd-training", draft_vocab_size=256, aux_layer_ids=(1, 3), layout=EDSD_TRAINING)
+    make_drafter(
+        paths["llama"], root / "llama-edsd-training", draft_vocab_size=256, aux_layer_ids=(1, 3), layout=EDSD_TRAINING
+    )
     convert(root / "llama-edsd-training", root / "llama-edsd", target=paths["llama"])
     constant = most_frequent_greedy_token(paths["llama"], 512 - CONSTANT_DRAFT_VOCAB)
     make_drafter(
         paths["llama"], root / "llama-edsd-constant", draft_vocab_size=CONSTANT_DRAFT_VOCAB, constant_token=constant
     )
     make_drafter(paths["qwen3"], root / "qwen3-edsd", draft_vocab_size=384, aux_layer_ids=(2, 4), seed=2)
-    paths.update({name: root / name for name in ("llama-edsd", "llama-edsd-training", "llama-edsd-constant", "qwen3-edsd")})
+    paths.update(
+        {name: root / name for name in ("llama-edsd", "llama-edsd-training", "llama-edsd-constant", "qwen3-edsd")}
+    )
     return {**{k: str(v) for k, v in paths.items()}, "constant_token": constant}
 
 
@@ -246,15 +250,23 @@ def trained(fitted_target, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("pipeline")
     lines = [l for l in toy_corpus().splitlines() if l.strip()]
     data = root / "chat.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": l}, {"role": "assistant", "content": "-"}]})
-                              for l in lines[:24]))
+    data.write_text(
+        "\n".join(
+            json.dumps({"messages": [{"role": "user", "content": l}, {"role": "assistant", "content": "-"}]})
+            for l in lines[:24]
+        )
+    )
     target = fitted_target
     make_drafter(target, root / "untrained", draft_vocab_size=256)
     assert main(["select", target, "--data", str(data), "--samples", "8", "--out", str(root / "layers.json")]) == 0
     common = ["--data", str(data), "--regenerate", "--max-length", "96", "--draft-vocab-size", "256",
               "--epochs", "8", "--ttt-steps", "3", "--lr", "1e-2", "--batch-size", "4"]
-    assert main(["train", target, "--out", str(root / "edsd"), "--layers-from", str(root / "layers.json"), *common]) == 0
-    assert main(["train", target, "--out", str(root / "eagle3"), "--method", "eagle3", "--layers", "1,2,3", *common]) == 0
+    assert (
+        main(["train", target, "--out", str(root / "edsd"), "--layers-from", str(root / "layers.json"), *common]) == 0
+    )
+    assert (
+        main(["train", target, "--out", str(root / "eagle3"), "--method", "eagle3", "--layers", "1,2,3", *common]) == 0
+    )
     assert main(["convert", str(root / "edsd" / "final"), str(root / "edsd-vllm"), "--target", target]) == 0
     assert main(["convert", str(root / "edsd" / "final"), str(root / "edsd-folded"), "--target", target,
                  "--fold-token-norm"]) == 0
@@ -264,6 +276,46 @@ def trained(fitted_target, tmp_path_factory) -> dict:
     return {"target": target, "edsd": str(root / "edsd-vllm"), "edsd-folded": str(root / "edsd-folded"),
             "eagle3": str(root / "eagle3" / "final"), "untrained": str(root / "untrained"),
             "prompts": prompts, "chats": chats}
+
+
+@pytest.fixture(scope="module")
+def drafters(models, tmp_path_factory) -> dict[str, str]:
+    """Broken variants of the toy drafter, one defect each."""
+    root = tmp_path_factory.mktemp("bad-drafters")
+    good = models["llama-edsd"]
+
+    def variant(name: str, edit_config=None, edit_tensors=None) -> str:
+        return str(edited_copy(good, root / name, edit_config, edit_tensors))
+
+    def three_ids(cfg):
+        cfg["edsd_config"]["aux_layer_ids"] = [1, 2, 3]
+
+    def out_of_range(cfg):
+        cfg["edsd_config"]["aux_layer_ids"] = [1, 9]
+        cfg["edsd_config"].pop("target")
+
+    make_drafter(models["llama-narrow"], root / "other-target-drafter", draft_vocab_size=256)
+    no_weights = variant("no-weights")
+    (root / "no-weights" / "model.safetensors").unlink()
+    no_config = variant("no-config")
+    (root / "no-config" / "config.json").unlink()
+    (root / "broken-json").mkdir()
+    (root / "broken-json" / "config.json").write_text("{not json")
+    make_drafter(models["llama"], root / "training-layout", draft_vocab_size=256, layout=EDSD_TRAINING)
+    return {
+        "three_ids": variant("three-ids", three_ids),
+        "out_of_range": variant("out-of-range", out_of_range),
+        "missing_tensor": variant("missing-tensor", edit_tensors=lambda t: t.pop("lm_head.weight")),
+        "wrong_shape": variant(
+            "wrong-shape", edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:, :100].clone()})
+        ),
+        "other_target": str(root / "other-target-drafter"),
+        "no_weights": no_weights,
+        "no_config": no_config,
+        "broken_json": str(root / "broken-json"),
+        "training_layout": str(root / "training-layout"),
+        "missing_dir": str(root / "does-not-exist"),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -284,7 +336,9 @@ def parity_drafters(models, tmp_path_factory) -> dict:
             served = root / f"{norm}-{'folded' if folded else 'unfolded'}"
             convert(source, served, target=models["llama"], fold_token_norm=folded)
             drafters[norm, folded] = (str(served), str(source))
-    llama3 = edited_copy(layernorm, root / "llama3-rope-training", edit_config=lambda c: c.update(rope_parameters=LLAMA3_ROPE))
+    llama3 = edited_copy(
+        layernorm, root / "llama3-rope-training", edit_config=lambda c: c.update(rope_parameters=LLAMA3_ROPE)
+    )
     convert(llama3, root / "llama3-rope", target=models["llama"])
     drafters["llama3-rope"] = (str(root / "llama3-rope"), str(llama3))
     return drafters
@@ -309,7 +363,11 @@ def baseline(models, engine_runs):
     """Greedy outputs of each toy target without speculation."""
 
     def outputs(arch: str) -> list[list[int]]:
-        job = {"target": models[arch], "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": [greedy_phase()]}
+        job = {
+            "target": models[arch],
+            "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
+            "phases": [greedy_phase()],
+        }
         return engine_runs(f"baseline-{arch}", job)["phases"]["greedy"]["outputs"]
 
     return outputs
@@ -352,3 +410,15 @@ def abandon_streams(url: str, bodies: list[dict], chunks: int = 4) -> list[int]:
     for thread in threads:
         thread.join()
     return read
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA (``pytest -m gpu tests/engine`` on a GPU machine): skipped
+    where torch sees no GPU."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            for item in gpu:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

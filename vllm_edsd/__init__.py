@@ -5,7 +5,9 @@
 until vLLM itself is being configured.
 """
 
-__version__ = "0.1.0"
+from vllm_edsd.version import __version__
+
+__all__ = ["__version__", "register"]
 
 
 def register() -> None:

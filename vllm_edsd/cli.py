@@ -1,9 +1,10 @@
-"""The ``edsd`` command. Each subcommand lives in its own module, imported only when used,
-so ``edsd --help`` is instant and one broken optional dependency cannot break the rest.
+"""The ``edsd`` command.
 
-A subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``.
-User errors (``EDSDError``) are printed as one clear line with exit status 2, never a
-traceback.
+Each subcommand is one module with ``name``, ``help``, ``add_arguments(parser)`` and
+``run(args) -> int`` (``vllm_edsd.command``), registered in ``COMMANDS`` below. Only the
+chosen subcommand's module is imported (``edsd --help`` imports them all to list them), so one
+broken optional dependency cannot break the rest. User errors (``EDSDError``) are printed as
+one clear line with exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import argparse
 import importlib
 import sys
 
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.command import add_parser, invoke
 
-SUBCOMMANDS = {
-    "convert": ("weights_convert.cli", "convert an EDSD drafter (this project's training layout or SpecForge's) to the layout vLLM serves"),
-    "select": ("vllm_edsd.selection_cli", "EDSelect: score every target layer and pick the two aux layers"),
-    "train": ("vllm_edsd.training.cli", "EDTrain: train an EDSD drafter (or an EAGLE-3 baseline) for a target"),
-    "demo": ("vllm_edsd.demo", "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show tau and speed-up"),
-    "build-demo": ("vllm_edsd.demo.build", "train the embedded demo drafters (EDSD + EAGLE-3) for the demo target from PyPI data"),
+# name -> the module that implements it; the module's own `name` and `help` are what users see.
+COMMANDS = {
+    "convert": "vllm_edsd.conversion.cli",
+    "select": "vllm_edsd.target.select_cli",
+    "train": "vllm_edsd.training.cli",
+    "demo": "vllm_edsd.demo",
+    "build-demo": "vllm_edsd.demo.build",
 }
 
 EPILOG = """\
@@ -31,7 +33,8 @@ typical flow for a new target:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``edsd``; with ``chosen``, only that subcommand's module is imported."""
     parser = argparse.ArgumentParser(
         prog="edsd",
         description="Serve and train EDSD speculative-decoding drafters in vLLM.",
@@ -39,31 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chosen = sys.argv[1] if len(sys.argv) > 1 else None
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
-        if name == chosen:  # only the chosen subcommand's module is imported
-            importlib.import_module(module).add_arguments(p)
+    for name, module in COMMANDS.items():
+        if chosen is None or name == chosen:
+            add_parser(sub, importlib.import_module(module))
+        else:
+            sub.add_parser(name)  # a placeholder: only the chosen one is parsed
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is not None:
-        sys.argv = ["edsd", *argv]
-    parser = build_parser()
-    args = parser.parse_args()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(chosen)
+    args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 0
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    try:
-        return int(module.run(args) or 0)
-    except EDSDError as exc:
-        print(f"edsd {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"edsd {args.command}: interrupted", file=sys.stderr)
-        return 130
+    return invoke(importlib.import_module(COMMANDS[args.command]), args)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,9 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
         raise EDSDError(f"{path}: no such file")
     try:
         text = path.read_text()
-        records = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
+        records = (
+            json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
+        )
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EDSDError(f"{path}: not valid JSON/JSON lines ({exc})") from None
     if not isinstance(records, list):
@@ -170,7 +172,9 @@ def render_conversation(
     return ids, mask
 
 
-def render_samples(tokenizer, conversation: Conversation, max_length: int | None = None) -> list[tuple[list[int], list[int]]]:
+def render_samples(
+    tokenizer, conversation: Conversation, max_length: int | None = None
+) -> list[tuple[list[int], list[int]]]:
     """Training samples of one conversation, as ``render_conversation`` builds them.
 
     Usually one: the whole conversation, every assistant turn learned. A template that

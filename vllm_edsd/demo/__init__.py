@@ -45,7 +45,7 @@ def measure_acceptance(target: str, method: str, drafter: str) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_edsd.serving.engine import llm_session, spec_counters, speculative_config
+    from vllm_edsd.launch.engine import llm_session, spec_counters, speculative_config
 
     spec = speculative_config(method, drafter, ACCEPTANCE_CHECK["k"])
     params = SamplingParams(temperature=0, max_tokens=ACCEPTANCE_CHECK["max_tokens"], ignore_eos=True)
@@ -65,18 +65,29 @@ def demo_paths() -> dict[str, str]:
 
     missing = [name for name in ("edsd/config.json", "eagle3/config.json") if not (ASSETS / name).is_file()]
     if missing:
-        raise EDSDError(f"the demo drafters are not in this installation (missing under {ASSETS}: {', '.join(missing)})")
+        raise EDSDError(
+            f"the demo drafters are not in this installation (missing under {ASSETS}: {', '.join(missing)})"
+        )
     return {"target": str(demo_target().resolve()), "edsd": str((ASSETS / "edsd").resolve()),
             "eagle3": str((ASSETS / "eagle3").resolve())}
 
 
+# The `edsd demo` subcommand (vllm_edsd.command).
+name = "demo"
+help = "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show tau and speed-up"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = "examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods edsd\n  edsd demo --paths"
+    parser.epilog = (
+        "examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods edsd\n  edsd demo --paths"
+    )
     parser.add_argument("--paths", action="store_true", help="print the demo model directories as JSON and exit")
     parser.add_argument("--offline", action="store_true", help="use LLM.generate instead of the OpenAI server")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
-    parser.add_argument("--methods", default="edsd,eagle3", help="drafters to compare with no speculation (default edsd,eagle3)")
+    parser.add_argument(
+        "--methods", default="edsd,eagle3", help="drafters to compare with no speculation (default edsd,eagle3)"
+    )
 
 
 # The demo serves float32 on every CPU: its lossless check compares the drafted run with the
@@ -88,7 +99,7 @@ DEMO_DTYPE = "float32"
 def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) -> dict:
     """One greedy reply: its text and token ids, and with ``top2`` the target's top-2 logit
     margin at each position (a difference of log-probabilities is one of logits)."""
-    from vllm_edsd.serving.server import post_json
+    from vllm_edsd.launch.server import post_json
 
     body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "return_token_ids": True, **({"logprobs": True, "top_logprobs": 2} if top2 else {})}
@@ -103,8 +114,8 @@ def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) ->
 def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
     import requests
 
-    from vllm_edsd.serving.engine import parse_prometheus_counters
-    from vllm_edsd.serving.server import running_server
+    from vllm_edsd.launch.engine import parse_prometheus_counters
+    from vllm_edsd.launch.server import running_server
 
     with running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE]) as base:
         _chat_server(base, "Hello!", 8)  # warm-up
@@ -113,7 +124,9 @@ def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
         replies = [_chat_server(base, prompt, max_tokens) for _, prompt in DEMO_PROMPTS]
         elapsed = time.time() - start
         counters = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text) - before
-        margins = [_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS] if spec is None else None
+        margins = (
+            [_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS] if spec is None else None
+        )
     return _result(replies, elapsed, counters, margins)
 
 
@@ -126,7 +139,7 @@ def _result(replies: list[dict], elapsed: float, counters, margins: list[list[fl
 def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
     from vllm import SamplingParams
 
-    from vllm_edsd.serving.engine import llm_session, spec_counters
+    from vllm_edsd.launch.engine import llm_session, spec_counters
 
     def chat(prompt: str, params: SamplingParams):
         return llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
@@ -139,7 +152,9 @@ def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
         counters = spec_counters(llm) - before
         margins = None
         if spec is None:
-            scored = [chat(p, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)) for _, p in DEMO_PROMPTS]
+            scored = [
+                chat(p, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)) for _, p in DEMO_PROMPTS
+            ]
             margins = [[_top2_margin([lp.logprob for lp in step.values()]) for step in out.logprobs] for out in scored]
     return _result([{"text": o.text, "token_ids": o.token_ids} for o in outputs], elapsed, counters, margins)
 
@@ -151,8 +166,8 @@ def _top2_margin(logprobs: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_edsd.serving.engine import speculative_config
-    from vllm_edsd.serving.server import sigterm_as_interrupt
+    from vllm_edsd.launch.engine import speculative_config
+    from vllm_edsd.launch.server import sigterm_as_interrupt
 
     paths = demo_paths()
     if args.paths:
@@ -172,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
     with sigterm_as_interrupt():  # a SIGTERM stops the server or engine running, as Ctrl-C does
         results = {"none": measure(paths["target"], None, args.max_tokens)}
         for method in methods:
-            results[method] = measure(paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens)
+            results[method] = measure(
+                paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
+            )
     shown = "edsd" if "edsd" in results else methods[0]
     for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
         print(f"--- [{kind}] {prompt}\n{text.strip()}\n")
@@ -213,8 +230,11 @@ def summary(results: dict[str, dict], k: int) -> str:
         c = r.get("counters")
         tau = "-" if method == "none" else f"{c.mean_acceptance_length:.2f}"
         per_pos = "-" if method == "none" else " ".join(f"{a:.2f}" for a in c.acceptance_per_position)
-        same = "-" if method == "none" else (
-            f"{sum(first_difference(a, b) is None for a, b in zip(r['token_ids'], plain['token_ids']))}/{len(DEMO_PROMPTS)}")
+        if method == "none":
+            same = "-"
+        else:
+            equal = sum(first_difference(a, b) is None for a, b in zip(r["token_ids"], plain["token_ids"]))
+            same = f"{equal}/{len(DEMO_PROMPTS)}"
         rows.append(f"{method:<8}{tau:>6}  {per_pos:<26}{r['tokens_per_s']:>9.1f}"
                     f"{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}x  {same}")
     rule = "=" * len(rows[0])

@@ -8,7 +8,7 @@ interrupted stage left, such as a config.json without weights, is redone):
    code prompts (ShareGPT requests that mention code); HumanEval and the demo's and bench's
    prompts are in no stage, so they stay held out;
 2. ``regenerate`` the target answers them through vLLM (greedy), so the drafters learn the
-   target's own distribution (SPEC §5);
+   target's own distribution (docs/architecture.md, "Data flow");
 3. ``select``     EDSelect on the target;
 4. ``edsd`` / ``eagle3``  ``edsd train`` for both methods: same data, order, seed, epochs, TTT
    budget, draft vocabulary; EDSD with EDSelect's layers and EDTrain, EAGLE-3 with vLLM's
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_edsd.checkpoint.files import finished_checkpoint, replace_file
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.formats.files import finished_checkpoint, replace_file
 
 from . import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, measure_acceptance
 from .target import demo_target
@@ -40,6 +40,11 @@ CODE_REQUEST = re.compile(r"\b(python|javascript|typescript|java|c\+\+|rust|gola
                           r"class|regex|bash|html|css|program)\b", re.IGNORECASE)
 
 
+# The `edsd build-demo` subcommand (vllm_edsd.command).
+name = "build-demo"
+help = "train the embedded demo drafters (EDSD + EAGLE-3) for the demo target from PyPI data"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.epilog = ("examples:\n"
@@ -48,9 +53,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "  edsd build-demo --work runs/demo --stop-after regenerate")
     add = parser.add_argument
     add("--work", required=True, help="working directory: data, caches, checkpoints, logs (reuse it to resume)")
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda if present)")
-    add("--chat-prompts", type=int, default=CHAT_PROMPTS, help=f"ShareGPT chat prompts the target answers (default {CHAT_PROMPTS})")
-    add("--code-prompts", type=int, default=CODE_PROMPTS, help=f"ShareGPT code requests the target answers (default {CODE_PROMPTS})")
+    add(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda if present)",
+    )
+    add(
+        "--chat-prompts",
+        type=int,
+        default=CHAT_PROMPTS,
+        help=f"ShareGPT chat prompts the target answers (default {CHAT_PROMPTS})",
+    )
+    add(
+        "--code-prompts",
+        type=int,
+        default=CODE_PROMPTS,
+        help=f"ShareGPT code requests the target answers (default {CODE_PROMPTS})",
+    )
     add("--answer-tokens", type=int, default=192, help="max tokens per regenerated answer (default 192)")
     add("--draft-epochs", type=int, default=5, help="T for both drafters (default 5)")
     add("--ttt-steps", type=int, default=4, help="S_max for EDSD = the fixed TTT steps of EAGLE-3 (default 4)")
@@ -94,14 +113,22 @@ def regenerate_answers(work: Path, target: Path, args: argparse.Namespace) -> Pa
     if not out.is_file():
         prompts = drafter_prompts(args.chat_prompts, args.code_prompts, args.seed)
         conversations = regenerate(str(target), prompts, work / "cache", args.answer_tokens)
-        replace_file(out, lambda tmp: tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations)))
+        replace_file(
+            out, lambda tmp: tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+        )
     return out
 
 
 def _edsd(argv: list[str]) -> None:
-    from vllm_edsd.cli import main
+    """``edsd NAME ARGS...`` for the three stages it builds on, each through its own module
+    (the ``edsd`` command's table is above the demo)."""
+    import importlib
 
-    if main(argv) != 0:
+    from vllm_edsd.command import call
+
+    stages = {"select": "vllm_edsd.target.select_cli", "train": "vllm_edsd.training.cli",
+              "convert": "vllm_edsd.conversion.cli"}
+    if call(importlib.import_module(stages[argv[0]]), argv[1:]) != 0:
         raise EDSDError(f"building the demo failed at `edsd {' '.join(argv)}`")
 
 
@@ -147,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 def ship(work: Path, target: Path, converted: Path) -> None:
     """Copy both drafters (fp16), EDSelect's choice and the training logs into the package,
     with each drafter's acceptance on the demo prompts (``acceptance.json``, what the tests check)."""
-    from vllm_edsd.formats.files import atomic_directory, cast_checkpoint
+    from vllm_edsd.checkpoint.files import atomic_directory, cast_checkpoint
 
     with atomic_directory(ASSETS, force=True) as staging:
         shutil.copytree(converted, staging / "edsd")

@@ -33,7 +33,9 @@ def gguf_path(distribution: str = DISTRIBUTION) -> Path:
         raise EDSDError(f"the demo target's package {distribution} is not installed; {INSTALL_HINT}") from None
     matches = [f for f in files if f.name == GGUF_NAME]
     if not matches:
-        raise EDSDError(f"{distribution} is installed but holds no {GGUF_NAME} (version {VERSION} expected); {INSTALL_HINT}")
+        raise EDSDError(
+            f"{distribution} is installed but holds no {GGUF_NAME} (version {VERSION} expected); {INSTALL_HINT}"
+        )
     path = Path(importlib.metadata.distribution(distribution).locate_file(matches[0]))
     if not path.is_file():
         raise EDSDError(f"{path} is listed by {distribution} but missing; reinstall it: {INSTALL_HINT}")
@@ -74,7 +76,9 @@ def _gguf_model(source: Path):
     try:
         meta = load_gguf_checkpoint(str(source), return_tensors=False)["config"]
     except Exception as exc:  # a truncated or foreign file fails inside the gguf reader
-        raise EDSDError(f"{source}: not a readable GGUF file ({type(exc).__name__}: {exc}); reinstall: {INSTALL_HINT}") from None
+        raise EDSDError(
+            f"{source}: not a readable GGUF file ({type(exc).__name__}: {exc}); reinstall: {INSTALL_HINT}"
+        ) from None
     if meta.get("model_type") != "llama":
         raise EDSDError(f"{source}: a {meta.get('model_type')!r} GGUF, expected a Llama model")
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
@@ -95,7 +99,7 @@ def _gguf_model(source: Path):
 
 def convert_gguf(source: Path, out: Path) -> Path:
     """Dequantize ``source`` into a bf16 Hugging Face checkpoint at ``out`` (atomic)."""
-    from vllm_edsd.formats.files import atomic_directory
+    from vllm_edsd.checkpoint.files import atomic_directory
 
     model, tokenizer = _gguf_model(source)
     with atomic_directory(out, force=True) as staging:

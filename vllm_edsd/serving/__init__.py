@@ -1,4 +1,4 @@
-"""Serving EDSD drafters in vLLM: the plugin that adds ``"method": "edsd"`` (``plugin``), the
-draft model vLLM runs (``vllm_model``), the entropy-adaptive draft length (``adaptive``), and
-the engine and OpenAI-server helpers the demo, the bench and the tests share (``engine``,
-``server``)."""
+"""Serving EDSD drafters in vLLM: the plugin that adds ``"method": "edsd"`` and lists every vLLM
+attribute it replaces (``plugin``, ``patching``, ``cpu_sampling``), the draft model vLLM runs
+(``vllm_model``) and the entropy-adaptive draft length (``adaptive``). Engines and servers are
+started by ``vllm_edsd.launch``."""

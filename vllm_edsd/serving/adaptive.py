@@ -65,7 +65,7 @@ class AdaptiveDraftLength:
         return -math.log(self.threshold)
 
     @classmethod
-    def pop_from(cls, fields: dict[str, Any]) -> "AdaptiveDraftLength | None":
+    def pop_from(cls, fields: dict[str, Any]) -> AdaptiveDraftLength | None:
         """Remove the adaptive fields from a speculative config dict (vLLM does not know them)
         and validate them; None when the feature is off."""
         enabled = fields.pop(ENABLE, False)
@@ -83,7 +83,7 @@ class AdaptiveDraftLength:
         return _Carried(threshold=self.threshold)
 
     @classmethod
-    def of(cls, hf_config: Any) -> "AdaptiveDraftLength | None":
+    def of(cls, hf_config: Any) -> AdaptiveDraftLength | None:
         """The settings the plugin put on a drafter's hf_config, if any, validated again. A value
         of the same name read from the checkpoint's config.json is ignored with a warning:
         serving options come from the speculative config only."""
@@ -172,21 +172,3 @@ class AdaptiveProposer:
         if self.lengths is None:  # no draft step ran (vLLM asked for 0 tokens)
             return drafts
         return [row[:n] for row, n in zip(drafts.tolist(), self.lengths.tolist())]
-
-
-def attach(proposer: Any) -> None:
-    """Hook ``proposer`` if it drives an EDSD drafter whose config asks for adaptive drafting.
-
-    Called after vLLM's ``load_model`` on every V1 EAGLE proposer."""
-    from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM
-
-    model = proposer.model
-    model = model.unwrap() if hasattr(model, "unwrap") else model
-    if not isinstance(model, EDSDLlamaForCausalLM) or model.adaptive is None:
-        return
-    if isinstance(getattr(proposer.propose, "__self__", None), AdaptiveProposer):
-        return  # hooked already (load_model called again): a second hook would wrap the first
-    if getattr(proposer, "use_local_argmax_reduction", False):
-        raise EDSDError(f"{ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
-    data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1
-    AdaptiveProposer(proposer, model, model.adaptive, data_parallel)

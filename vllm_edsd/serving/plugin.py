@@ -22,13 +22,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from vllm_edsd.checkpoint.config import EDSDConfig, TargetFingerprint, read_config_json
+from vllm_edsd.checkpoint.files import tensor_shapes
+from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, detect_layout
+from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.formats.config import EDSDConfig, TargetFingerprint, read_config_json
-from vllm_edsd.formats.files import tensor_shapes
-from vllm_edsd.formats.layouts import EAGLE3, EDSD_VLLM, check_tensors, detect_layout
-from vllm_edsd.formats.vocab import check_checkpoint_vocab_mapping
+from vllm_edsd.launch.engine import on_cpu
+from vllm_edsd.model.edsd import check_tensors
 from vllm_edsd.serving import adaptive, cpu_sampling, preflight
-from vllm_edsd.serving.engine import on_cpu
 from vllm_edsd.serving.patching import Patch
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
@@ -57,7 +58,10 @@ def version_supported(version: str) -> bool:
 
 def _range_message(version: str) -> str:
     lo, hi = SUPPORTED_VLLM
-    return f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; the installed vLLM is {version}"
+    return (
+        f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; "
+        f"the installed vLLM is {version}"
+    )
 
 
 def _is_hub_id(model: str) -> bool:
@@ -168,7 +172,9 @@ def _checked_speculative_init(original: Callable) -> Callable:
             if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
                 raw = self.draft_model_config.hf_config.to_dict()
                 if not set(EDSD_VLLM.architectures) & set(self.draft_model_config.architectures or []):
-                    raise EDSDError(f"{kwargs['model']}: not an EDSD drafter (architectures={raw.get('architectures')})")
+                    raise EDSDError(
+                        f"{kwargs['model']}: not an EDSD drafter (architectures={raw.get('architectures')})"
+                    )
                 drafter = EDSD_VLLM.read_config(raw, source=f"{kwargs['model']}/config.json")
             target = TargetFingerprint.from_hf_config(self.target_model_config.hf_text_config)
             drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
@@ -195,13 +201,31 @@ def _checked_engine_config(original: Callable) -> Callable:
     return create_engine_config
 
 
+def attach(proposer: Any) -> None:
+    """Hook ``proposer`` if it drives an EDSD drafter whose config asks for adaptive drafting.
+
+    Called after vLLM's ``load_model`` on every V1 EAGLE proposer."""
+    from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
+
+    model = proposer.model
+    model = model.unwrap() if hasattr(model, "unwrap") else model
+    if not isinstance(model, EDSDLlamaForCausalLM) or model.adaptive is None:
+        return
+    if isinstance(getattr(proposer.propose, "__self__", None), adaptive.AdaptiveProposer):
+        return  # hooked already (load_model called again): a second hook would wrap the first
+    if getattr(proposer, "use_local_argmax_reduction", False):
+        raise EDSDError(f"{adaptive.ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
+    data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1
+    adaptive.AdaptiveProposer(proposer, model, model.adaptive, data_parallel)
+
+
 def _hooked_proposer_loading(original: Callable) -> Callable:
     """``load_model`` of vLLM's V1 EAGLE proposer that then hooks it for the adaptive draft
-    length (``adaptive.attach`` leaves every other proposer alone)."""
+    length (``attach`` leaves every other proposer alone)."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        adaptive.attach(self)
+        attach(self)
 
     return load_model
 

@@ -1,4 +1,4 @@
-"""The EDSD draft model for vLLM, mirroring ``reference.py`` with vLLM's parallel layers.
+"""The EDSD draft model for vLLM, mirroring ``vllm_edsd/model/edsd.py`` with vLLM's parallel layers.
 
 It subclasses vLLM's ``Eagle3LlamaForCausalLM`` because the EAGLE proposer asserts that
 type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
@@ -28,13 +28,12 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, maybe_remap_kv_scale_name
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
-from vllm.model_executor.models.utils import (WeightsMapper, get_draft_quant_config, maybe_prefix,
-                                              process_eagle_weight)
+from vllm.model_executor.models.utils import WeightsMapper, get_draft_quant_config, maybe_prefix, process_eagle_weight
 
+from vllm_edsd.checkpoint.config import LAYERNORM, EDSDConfig, TargetFingerprint
+from vllm_edsd.checkpoint.layouts import EDSD_VLLM, KV_SCALE, ROPE_CACHES, unexpected_hint
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.formats.config import LAYERNORM, EDSDConfig, TargetFingerprint
-from vllm_edsd.formats.layouts import EDSD_VLLM, KV_SCALE, ROPE_CACHES, unexpected_hint
-from vllm_edsd.reference import draft_entropy, expected_shapes
+from vllm_edsd.model.edsd import draft_entropy, expected_shapes
 from vllm_edsd.serving.adaptive import AdaptiveDraftLength
 
 # vLLM-layout tensor name -> parameter name; names not listed (``lm_head.*``) keep theirs, and

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.formats.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
+from vllm_edsd.checkpoint.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
+from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.data import load_conversations, load_sharegpt
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.formats.files import replace_file
-from ..data import load_conversations, load_sharegpt
-from ..reference import EDSDDraftModel
-from ..target import decoder_of, load_target
-from .eagle3 import Eagle3DraftModel
+from vllm_edsd.model.eagle3 import Eagle3DraftModel
+from vllm_edsd.model.edsd import EDSDDraftModel
+from vllm_edsd.target.hidden_states import decoder_of, load_target
+
 from .features import cache_key, extract_features, tokenize_conversations
 from .schedule import READINGS
 from .trainer import Recipe, train
@@ -41,6 +42,11 @@ then: edsd convert runs/edsd/final drafter   (the EAGLE-3 checkpoint is served a
 """
 
 
+# The `edsd train` subcommand (vllm_edsd.command).
+name = "train"
+help = "EDTrain: train an EDSD drafter (or an EAGLE-3 baseline) for a target"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("target", help="target model directory (transformers format)")
@@ -49,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", help="aux layer ids, vLLM convention: two for edsd, three for eagle3")
     parser.add_argument("--layers-from", help="the JSON written by `edsd select` (edsd only)")
     parser.add_argument("--epochs", type=int, default=8, help="T (default 8)")
-    parser.add_argument("--ttt-steps", type=int, default=7, help="S_max for edsd, the fixed steps for eagle3 (default 7)")
+    parser.add_argument(
+        "--ttt-steps", type=int, default=7, help="S_max for edsd, the fixed steps for eagle3 (default 7)"
+    )
     parser.add_argument("--edtrain-reading", choices=sorted(READINGS), default="paper",
                         help="which EDTrain to run: 'paper' = Eqs. 5-6 (floor, gamma 3%%, per sample, full-vocabulary "
                              "entropy; default), 'specforge' = SpecForge's code (ceil, 2%% capped at 40%%, ranked over "
@@ -105,7 +113,9 @@ def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]
 def check_numbers(args: argparse.Namespace, vocab: int) -> None:
     """Refuse out-of-range numbers before any work (a 0 must not silently mean "the default")."""
     if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= vocab:
-        raise EDSDError(f"--draft-vocab-size must be in 1..{vocab} (the target's vocabulary), got {args.draft_vocab_size}")
+        raise EDSDError(
+            f"--draft-vocab-size must be in 1..{vocab} (the target's vocabulary), got {args.draft_vocab_size}"
+        )
     for flag in ("epochs", "ttt_steps", "batch_size", "max_length", "fuse_intermediate_size", "intermediate_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -128,7 +138,7 @@ def regenerate(target: str, conversations: list, cache_dir: Path, max_tokens: in
         return [json.loads(line) for line in cache.read_text().splitlines()]
     from vllm import SamplingParams
 
-    from vllm_edsd.serving.engine import llm_session
+    from vllm_edsd.launch.engine import llm_session
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     # An offline batch job: on CPU let vLLM compute on every core (it reserves one for serving).
@@ -177,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    conversations = load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
+    conversations = (
+        load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
+    )
     if args.regenerate:
         conversations = regenerate(args.target, conversations, out / "cache", args.max_length // 2)
     samples, skipped = tokenize_conversations(tokenizer, conversations, args.max_length)
@@ -189,8 +201,13 @@ def run(args: argparse.Namespace) -> int:
     d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     target_model = load_target(args.target, dtype=getattr(torch, dtype), device=args.device)
-    shards = extract_features(target_model, samples, layers,
-                              out / "cache" / f"features-{cache_key(args.target, layers, samples, dtype)}", device=args.device)
+    shards = extract_features(
+        target_model,
+        samples,
+        layers,
+        out / "cache" / f"features-{cache_key(args.target, layers, samples, dtype)}",
+        device=args.device,
+    )
     model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(args.device)
     # Only the draft vocabulary's rows (in draft-id order: d2t keeps target ids ascending) are read.
     draft_head = target_model.get_output_embeddings().weight.detach()[torch.nonzero(t2d).flatten()].float()

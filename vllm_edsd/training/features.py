@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..data import Conversation, render_many
-from ..formats.files import replace_file
-from ..target import run_target, token_entropy
+from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.data import Conversation, render_many
+from vllm_edsd.target.hidden_states import run_target, token_entropy
 
 SHARD_SIZE = 64
 CACHE_FORMAT = 2  # bump when a record's fields change: the key then misses old caches
@@ -85,11 +85,13 @@ def extract_features(
                     "target_argmax": argmax[row, :n].to(torch.int32).cpu(),
                     "target_entropy": entropy[row, :n].float().cpu(),
                 })
-        replace_file(path, lambda tmp: torch.save(records, tmp))
+        replace_file(path, lambda tmp: torch.save(records, tmp))  # noqa: B023 (called at once)
     return shards
 
 
-def iterate_batches(shards: list[Path], batch_size: int, generator: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
+def iterate_batches(
+    shards: list[Path], batch_size: int, generator: torch.Generator
+) -> Iterator[dict[str, torch.Tensor]]:
     """Right-padded batches in a seeded random order: shards shuffled, and within a shard
     samples of similar length batched together (little padding), the batches shuffled."""
     for shard_index in torch.randperm(len(shards), generator=generator).tolist():
@@ -101,7 +103,7 @@ def iterate_batches(shards: list[Path], batch_size: int, generator: torch.Genera
             batch = [records[i] for i in batches[pick]]
             width = max(len(r["input_ids"]) for r in batch)
 
-            def pad(key: str, fill=0) -> torch.Tensor:
+            def pad(key: str, fill=0, batch=batch, width=width) -> torch.Tensor:
                 first = batch[0][key]
                 out = torch.full((len(batch), width, *first.shape[1:]), fill, dtype=first.dtype)
                 for row, record in enumerate(batch):

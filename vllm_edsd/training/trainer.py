@@ -1,4 +1,4 @@
-"""EDTrain's loop over training-time test (SPEC §5), shared by EDSD and the EAGLE-3 baseline.
+"""EDTrain's loop over training-time test (docs/architecture.md, "Data flow"), shared by EDSD and the EAGLE-3 baseline.
 
 Alignment: the drafter at index p receives the target feature f_p and the token x_{p+1} and
 predicts x_{p+2}, whose target distribution is the target's output at position p+1. Step k
@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..errors import EDSDError
-from ..formats.files import replace_file
-from ..reference import KeyValueSteps
-from ..target import token_entropy
+from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.model.edsd import KeyValueSteps
+from vllm_edsd.target.hidden_states import token_entropy
+
 from .features import iterate_batches
 from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
@@ -55,7 +56,11 @@ class Recipe:
         return READINGS[self.reading].mask_percent(epoch, self.epochs, self.gamma) if self.mask_p else 0.0
 
     def steps(self, epoch: int) -> int:
-        return READINGS[self.reading].ttt_steps(epoch, self.epochs, self.max_ttt_steps) if self.step_n else self.max_ttt_steps
+        return (
+            READINGS[self.reading].ttt_steps(epoch, self.epochs, self.max_ttt_steps)
+            if self.step_n
+            else self.max_ttt_steps
+        )
 
 
 @dataclass
@@ -125,7 +130,9 @@ def _read_state(path: Path) -> dict:
         raise EDSDError(f"{path}: not a training state this trainer wrote ({reason}); "
                         "remove it to start afresh or use another --out") from None
     if not isinstance(state, dict) or not {"recipe", "model", "optimizer", "epoch"} <= state.keys():
-        raise EDSDError(f"{path}: not a training state this trainer wrote; remove it to start afresh or use another --out")
+        raise EDSDError(
+            f"{path}: not a training state this trainer wrote; remove it to start afresh or use another --out"
+        )
     return state
 
 
@@ -192,7 +199,8 @@ def train(
         save_checkpoint(model, out_dir / f"epoch_{epoch}")
         state = {"recipe": asdict(recipe), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "generator": generator.get_state(), "rng": _rng_state(), "epoch": epoch, "log": log}
-        replace_file(state_path, lambda tmp: torch.save(state, tmp))  # an interruption mid-write keeps the old state
+        # an interruption mid-write keeps the old state
+        replace_file(state_path, lambda tmp: torch.save(state, tmp))  # noqa: B023 (called at once)
         log_path.write_text("".join(json.dumps(e) + "\n" for e in log))  # the log of the saved state
     save_checkpoint(model, out_dir / "final")
     return log

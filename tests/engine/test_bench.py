@@ -1,0 +1,123 @@
+"""``python -m bench all --quick`` on toy models: every suite runs, and the report is
+consistent with results.json. Benchmarks are not tests: no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.report import render
+
+
+@pytest.fixture(scope="module")
+def bench_run(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "out"
+    # The training-free baseline and EDSD; eagle3 is served by the same code path as edsd (vLLM's
+    # EAGLE-3 machinery) and is left out to keep CI's engine count.
+    cmd = [sys.executable, "-m", "bench", "all", "--quick", "--out", str(out), "--target", models["llama"],
+           "--edsd", models["llama-edsd"], "--methods", "none,ngram,edsd"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def test_all_suites_and_methods_present(bench_run):
+    results = json.loads((bench_run / "results.json").read_text())
+    runs = results["runs"]
+    assert results["failed_suites"] == {}
+    assert {r["suite"] for r in runs} == {"acceptance", "throughput", "latency", "robustness"}
+    for suite in ("acceptance", "throughput", "latency"):
+        assert {r["method"] for r in runs if r["suite"] == suite} == {"none", "ngram", "edsd"}
+    assert {r["system_prompt"] for r in runs if r["suite"] == "robustness"} == {
+        "default",
+        *(f"system-{i}" for i in range(10)),
+    }
+    assert {r["category"] for r in runs if r["suite"] == "acceptance"} == {
+        "chat",
+        "code",
+        "math",
+        "instruction",
+        "summarization",
+    }
+    assert set(results["machine"]) >= {"processor", "cores", "vllm", "torch", "vllm_edsd"}
+
+
+def test_speedups_are_ratios_within_the_run(bench_run):
+    runs = json.loads((bench_run / "results.json").read_text())["runs"]
+    for r in (r for r in runs if r["suite"] == "throughput"):
+        base = next(b for b in runs if b["suite"] == "throughput" and b["method"] == "none"
+                    and b["batch_size"] == r["batch_size"] and b["temperature"] == r["temperature"])
+        assert r["speedup"] == pytest.approx(r["output_tokens_per_s"] / base["output_tokens_per_s"])
+    for r in (r for r in runs if r["suite"] == "acceptance" and r["method"] != "none"):
+        assert r["tau"] is not None and len(r["acceptance_per_pos"]) == r["k"]
+
+
+def test_latency_rows_from_raw_timings(bench_run):
+    runs = json.loads((bench_run / "results.json").read_text())["runs"]
+    lat = [r for r in runs if r["suite"] == "latency"]
+    assert {r["num_requests"] for r in lat} == {16}  # --quick: the same 16 scheduled arrivals for every method
+    for r in lat:
+        assert r["failures"] == 0 and r["failure_reasons"] == {}, r["failure_reasons"]
+        assert r["output_tokens"] == r["num_requests"] * 24  # from the server's usage; ignore_eos, --quick max_tokens
+        assert r["achieved_qps"] > 0 and r["output_tokens_per_s"] > 0 and r["late_starts"] >= 0
+        for name in ("e2e", "ttft", "itl"):
+            assert 0 < r[f"{name}_p50_s"] <= r[f"{name}_p99_s"]
+            assert r[f"{name}_mean_s"] > 0
+        assert r["ttft_p99_s"] <= r["e2e_p99_s"] and r["ttft_mean_s"] <= r["e2e_mean_s"]
+        assert r["itl_mean_s"] <= r["e2e_mean_s"]
+
+
+def test_report_and_plots(bench_run):
+    results = json.loads((bench_run / "results.json").read_text())
+    report = (bench_run / "report.md").read_text()
+    assert report == render(results)
+    for heading in ("Acceptance", "Throughput", "Latency", "Robustness"):
+        assert f"## {heading}" in report
+    for png in ("acceptance_per_position.png", "speedup_vs_batch.png", "latency_vs_rate.png"):
+        assert (bench_run / png).stat().st_size > 1000
+
+
+def test_draft_length_variants_side_by_side(models, tmp_path):
+    """The throughput suite serves the EDSD drafter statically, with the adaptive draft length
+    and with vLLM's batch-size table, at T=0 and T=1, and reports the draft length each used:
+    K for static drafts; K at batch 1 and about K/2 at batch 8 under the table; fewer tokens than
+    static under the adaptive rule (this drafter has random weights: its drafts are unsure)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench", "throughput", "--quick", "--out", str(out), "--target", models["llama"],
+           "--edsd", models["llama-edsd"], "--methods", "none,edsd,edsd-adaptive,edsd-batch-table",
+           "--temperatures", "0,1", "--batch-sizes", "1,8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["method"], r["batch_size"], r["temperature"]): r for r in results["runs"]}
+    assert set(rows) == {(m, b, t) for m in ("none", "edsd", "edsd-adaptive", "edsd-batch-table")
+                         for b in (1, 8) for t in (0.0, 1.0)}
+    for t in (0.0, 1.0):
+        assert rows["edsd", 1, t]["mean_draft_length"] == rows["edsd", 8, t]["mean_draft_length"] == 4
+        assert rows["edsd-batch-table", 1, t]["mean_draft_length"] == 4
+        # Mostly K/2: steps while fewer than 5 of the 8 requests are scheduled draft K.
+        assert rows["edsd-batch-table", 8, t]["mean_draft_length"] < 3
+        for b in (1, 8):
+            assert rows["edsd-adaptive", b, t]["draft_tokens"] < rows["edsd", b, t]["draft_tokens"]
+    assert "| edsd-adaptive | 4 | 1 | 8 |" in (out / "report.md").read_text()
+
+
+def test_unknown_bench_method_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench", "throughput", "--out", str(tmp_path / "out"),
+                           "--methods", "none,edsd-fancy"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown method(s) edsd-fancy" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+
+
+
+
+
+
+
+

@@ -1,0 +1,54 @@
+"""The user's whole path on a tiny target: select → train (regenerated data) → convert →
+serve, for EDSD and the EAGLE-3 baseline trained the same way; trained beats untrained,
+output stays lossless, and the acceptance predicted offline equals vLLM's counters."""
+
+from __future__ import annotations
+
+from conftest import assert_counters_match, predicted_counters, serve_fitted
+from support.toy import toy_corpus
+
+K = 3
+
+
+def test_trained_drafters_serve_losslessly_and_beat_untrained(models, engine_runs, trained):
+    plain = serve_fitted(trained, engine_runs, "pipeline-none", None)
+    runs = {
+        name: serve_fitted(
+            trained, engine_runs, f"pipeline-{name}", {"method": method, "model": path, "num_speculative_tokens": K}
+        )
+        for name, method, path in [
+            ("edsd", "edsd", trained["edsd"]),
+            ("eagle3", "eagle3", trained["eagle3"]),
+            ("untrained", "edsd", trained["untrained"]),
+        ]
+    }
+    for name, run in runs.items():
+        assert run["outputs"] == plain["outputs"], name
+    tau = {name: run["counters"]["tau"] for name, run in runs.items()}
+    print("tau:", tau)
+    assert tau["edsd"] > tau["untrained"] + 0.05
+    assert tau["eagle3"] > tau["untrained"] + 0.05
+
+
+def test_offline_prediction_matches_vllm(models, engine_runs, trained):
+    """The reference model replaying the greedy loop predicts vLLM's counters. Tolerance:
+    2% of the drafts per position, for argmax near-ties that float32 rounding can flip
+    between the reference and vLLM's kernels (the parity test shows chains agree exactly)."""
+    run = serve_fitted(trained, engine_runs, "pipeline-edsd",
+                       {"method": "edsd", "model": trained["edsd"], "num_speculative_tokens": K})
+    assert_counters_match(predicted_counters(trained, run["outputs"], K), run["counters"])
+
+
+def test_regeneration_cache_is_keyed_by_its_inputs(trained, tmp_path):
+    """Other conversations (a changed --data or --max-samples) regenerate; the same ones
+    reuse the cache."""
+    from vllm_edsd.training.cli import regenerate
+
+    lines = [l for l in toy_corpus().splitlines() if l.strip()][32:36]
+    convs = [[{"role": "user", "content": l}] for l in lines]
+    first = regenerate(trained["target"], convs[:2], tmp_path, 8)
+    assert [c[0]["content"] for c in first] == lines[:2]
+    assert regenerate(trained["target"], convs[:2], tmp_path, 8) == first
+    other = regenerate(trained["target"], convs[2:], tmp_path, 8)
+    assert [c[0]["content"] for c in other] == lines[2:]
+    assert len(list(tmp_path.glob("regenerated-*.jsonl"))) == 2

@@ -1,0 +1,167 @@
+"""The OpenAI-compatible server with ``--speculative-config '{"method":"edsd",...}'``:
+completions and chat, streaming and not, and the spec-decode counters on /metrics."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import (
+    SERVER_ARGS,
+    assert_counters_match,
+    completion_token_ids,
+    drafting_engines,
+    predicted_counters,
+    processes_with,
+    serve_fitted,
+)
+
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.launch.engine import parse_prometheus_counters
+from vllm_edsd.launch.server import running_server
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+    """The fitted target with the trained EDSD drafter, converted with its token norm folded."""
+    spec = {"method": "edsd", "model": trained["edsd-folded"], "num_speculative_tokens": K}
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(trained["target"], spec, extra_args=SERVER_ARGS, log_path=log) as base:
+        yield base
+
+
+def counters(base: str):
+    return parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
+
+
+def test_completion_is_lossless_and_counts_match_the_reference(server, trained, engine_runs):
+    """Served output is the target's own, and /metrics counts what the reference drafter
+    predicts: a folded drafter whose drafts depend on every weight, accepted often."""
+    before = counters(server)
+    outputs = completion_token_ids(server, trained["prompts"])
+    assert outputs == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
+    grown = counters(server) - before
+    assert grown.draft_tokens == K * grown.drafts
+    assert_counters_match(predicted_counters(trained, outputs, K), grown.as_dict())
+
+
+def test_streaming_completion_matches_non_streaming(server):
+    body = {"model": "toy", "prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0}
+    whole = requests.post(f"{server}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    pieces = []
+    with requests.post(f"{server}/v1/completions", json={**body, "stream": True}, stream=True, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    assert len(pieces) > 1
+    assert "".join(pieces) == whole
+
+
+def test_chat_completions(server):
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    body = {"model": "toy", "messages": messages, "max_tokens": 16, "temperature": 0}
+    reply = requests.post(f"{server}/v1/chat/completions", json=body, timeout=120).json()
+    text = reply["choices"][0]["message"]["content"]
+    assert reply["usage"]["completion_tokens"] > 0
+    pieces = []
+    with requests.post(f"{server}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                pieces.append(delta.get("content") or "")
+    assert "".join(pieces) == text
+
+
+def test_data_parallel_2(trained, engine_runs, tmp_path):
+    """Two engine cores behind one server (``--data-parallel-size 2``), each drafting, the
+    counters of both together what the reference predicts."""
+    spec = {"method": "edsd", "model": trained["edsd-folded"], "num_speculative_tokens": K}
+    with running_server(trained["target"], spec, extra_args=[*SERVER_ARGS, "--data-parallel-size", "2"],
+                        log_path=tmp_path / "dp.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
+        outputs = completion_token_ids(base, trained["prompts"])
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+    assert outputs == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
+    assert drafting_engines(metrics) == {"0", "1"}
+    assert_counters_match(predicted_counters(trained, outputs, K), parse_prometheus_counters(metrics).as_dict())
+
+
+def _interrupt_when_logged(log: Path, text: str, done: threading.Event) -> None:
+    """Raise KeyboardInterrupt in the main thread (as Ctrl-C would) once ``text`` is in ``log``;
+    the watcher ends when ``done`` is set, so it can never interrupt a later test."""
+    def watch():
+        while not done.wait(0.2):
+            if log.exists() and text in log.read_text():
+                _thread.interrupt_main()
+                return
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_server_interrupted_during_start_up_leaves_no_engine_process(models, tmp_path):
+    """Ctrl-C while the server starts stops the API server and the engine core it had already
+    spawned. The interrupt is sent once the engine core has logged, however slow the machine."""
+    marker = f"EDSD_TEST_MARKER={uuid.uuid4().hex}"
+    log = tmp_path / "startup.log"
+    # Python's own Ctrl-C handling, whatever an engine built in this process earlier installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    done = threading.Event()
+    try:
+        _interrupt_when_logged(log, "EngineCore", done)
+        with pytest.raises(KeyboardInterrupt):
+            with running_server(models["llama"], log_path=log,
+                                env={marker.split("=")[0]: marker.split("=")[1]}):
+                pytest.fail("the server became healthy before the engine core logged")
+    finally:
+        done.set()
+        signal.signal(signal.SIGINT, previous)
+    assert _gone_within(marker, limit_s=10)
+
+
+def _gone_within(marker: str, limit_s: float) -> bool:
+    deadline = time.time() + limit_s
+    while processes_with(marker) and time.time() < deadline:
+        time.sleep(0.5)
+    return processes_with(marker) == []
+
+
+def test_server_start_up_time_out_is_one_clear_error(models, tmp_path):
+    """A server that is not healthy in time gives the project's error with the log's tail."""
+    with pytest.raises(EDSDError, match="not healthy after 1 s"):
+        with running_server(models["llama"], log_path=tmp_path / "startup.log", startup_timeout_s=1):
+            pass
+
+
+def test_health_poll_outlasts_a_server_that_does_not_answer_yet(tmp_path):
+    """A server busy starting its engine accepts connections but answers ``/health`` late:
+    the wait treats a read time-out as "not yet" and ends, at its deadline, with the one
+    start-up error (before the fix: a ``requests`` ReadTimeout traceback)."""
+    import socket
+    import subprocess
+    import sys
+
+    from vllm_edsd.launch.server import wait_until_healthy
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # accepts (the kernel completes the handshake) and never replies
+        port = silent.getsockname()[1]
+        alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            with open(tmp_path / "server.log", "w+") as log:
+                log.write("INFO starting the engine\n")
+                started = time.time()
+                with pytest.raises(EDSDError, match="not healthy after 5 s") as err:
+                    wait_until_healthy(f"http://127.0.0.1:{port}", alive, 5, log)
+        finally:
+            alive.kill()
+            alive.wait()
+    assert "starting the engine" in str(err.value)  # the log is quoted
+    assert time.time() - started >= 5

@@ -1,0 +1,92 @@
+"""Run one real vLLM engine in a fresh process and report what it did, as JSON.
+
+Engine tests describe a job (target, speculative config, engine options, and phases of
+prompts + sampling parameters); this script builds the engine once, runs the phases in
+order and writes token ids, vLLM's spec-decode counters and preemptions per phase and, on request, the
+draft tokens the drafter proposed (read out of the worker with ``collective_rpc``).
+A separate process per engine keeps engines from sharing memory or state between tests
+and turns an engine crash into a readable test failure.
+
+Usage: python engine_job.py JOB.json OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _drafter(worker):
+    """The object whose ``propose`` returns the drafts: Model Runner V1's ``drafter`` (what
+    the CPU build runs) or V2's ``speculator`` (vLLM's default on CUDA)."""
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    return drafter if drafter is not None else runner.speculator
+
+
+def _install_recorder(worker) -> None:
+    """Wrap the drafter's ``propose`` to keep every chain of draft tokens it returns."""
+    drafter = _drafter(worker)
+    if getattr(drafter, "_edsd_recorded", None) is not None:
+        return
+    drafter._edsd_recorded = []
+    original = drafter.propose
+
+    def propose(*args, **kwargs):
+        # A tensor (V1 and V2), or one list per request (adaptive length).
+        draft = original(*args, **kwargs)
+        if not kwargs.get("dummy_run", False):  # V2's warm-up and padding runs draft nothing real
+            drafter._edsd_recorded.append(draft if isinstance(draft, list) else draft.tolist())
+        return draft
+
+    drafter.propose = propose
+
+
+def _take_recorded(worker) -> list:
+    drafter = _drafter(worker)
+    recorded, drafter._edsd_recorded = drafter._edsd_recorded, []
+    return recorded
+
+
+def preemptions(llm) -> int:
+    """How often the scheduler has preempted a request (its KV cache ran out) so far."""
+    return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def main(job_path: str, out_path: str) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_edsd.launch.engine import make_llm, spec_counters
+
+    job = json.loads(open(job_path).read())
+    start = time.time()
+    llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
+    result = {"startup_s": time.time() - start, "phases": {}}
+    for phase in job["phases"]:
+        params = SamplingParams(**phase["sampling"])
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in phase["prompts"]]
+        record = phase.get("record_proposals", False)
+        if record:
+            llm.collective_rpc(_install_recorder)
+        before, preempted_before = spec_counters(llm), preemptions(llm)
+        outputs, proposals = [], []
+        # Recorded proposals are attributed to a prompt by running prompts one at a time.
+        one_at_a_time = record or phase.get("one_at_a_time", False)
+        for group in ([[p] for p in prompts] if one_at_a_time else [prompts]):
+            outputs += [list(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False)]
+            if record:
+                proposals.append(llm.collective_rpc(_take_recorded)[0])
+        result["phases"][phase["name"]] = {
+            "outputs": outputs,
+            "counters": (spec_counters(llm) - before).as_dict(),
+            "proposals": proposals,
+            "preemptions": preemptions(llm) - preempted_before,
+        }
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

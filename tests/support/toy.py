@@ -1,0 +1,162 @@
+"""Small models made on the spot: a byte-level BPE tokenizer, tiny random-weight targets
+(Llama, Qwen3) and EDSD drafters for them.
+
+They exist so that tests and a first demo run on a machine with no model hub. Their
+weights are random: they exercise every code path of serving, but acceptance measured on
+them says nothing about EDSD's quality.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vllm_edsd.checkpoint.config import RMSNORM, EDSDConfig
+from vllm_edsd.checkpoint.layouts import EDSD_VLLM, Layout
+from vllm_edsd.model.edsd import EDSDDraftModel
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def toy_corpus() -> str:
+    return (Path(__file__).parent / "toy_corpus.txt").read_text()
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> None:
+    """Train a byte-level BPE and save it as a transformers fast tokenizer with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def make_target(
+    out_dir: str | Path,
+    *,
+    arch: str = "llama",
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    vocab_size: int = 512,
+    seed: int = 0,
+    train_steps: int = 0,
+) -> Path:
+    """A causal LM with a tokenizer, loadable by transformers and vLLM: random weights, or
+    with ``train_steps`` a model fitted to the toy corpus (confident where it memorised)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(toy_corpus().splitlines(), vocab_size, out_dir)
+    common = dict(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    if arch not in classes:
+        raise ValueError(f"unknown toy architecture {arch!r}; choose from {sorted(classes)}")
+    config_cls, model_cls = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).to(torch.float32)
+    if train_steps:
+        _fit_to_corpus(model, out_dir, train_steps)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def _fit_to_corpus(model, tokenizer_dir: Path, steps: int, window: int = 64) -> None:
+    """A few hundred AdamW steps on the toy corpus (seconds on a CPU)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = torch.tensor(tokenizer(toy_corpus())["input_ids"])
+    chunks = ids[: len(ids) // window * window].view(-1, window)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=chunks, labels=chunks).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def target_config(target_dir: str | Path) -> dict:
+    return json.loads((Path(target_dir) / "config.json").read_text())
+
+
+def make_drafter(
+    target_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    aux_layer_ids: tuple[int, int] = (1, 3),
+    draft_vocab_size: int | None = None,
+    layout: Layout = EDSD_VLLM,
+    token_norm: str = RMSNORM,
+    seed: int = 0,
+    constant_token: int | None = None,
+) -> EDSDDraftModel:
+    """A random EDSD drafter for a toy target, its token norm's weights random too (so that
+    a wrong norm or a wrong fold changes its drafts).
+
+    With ``constant_token`` the drafter always proposes that token: the final norm is
+    zero, so every draft logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
+    ``constant_token``. Its acceptance is therefore predictable from the target's output.
+    """
+    cfg = EDSDConfig.for_target(
+        target_config(target_dir), aux_layer_ids, draft_vocab_size=draft_vocab_size, token_norm=token_norm
+    )
+    torch.manual_seed(seed)
+    model = EDSDDraftModel(cfg)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, 0.05)
+        for name, tensor in model.edfuse.token_norm.named_parameters():
+            tensor.uniform_(0.5, 1.5) if name == "weight" else tensor.normal_(0.0, 0.1)
+        vocab, draft_vocab = cfg.vocab_size, cfg.draft_vocab_size
+        first = 0 if constant_token is None else constant_token
+        if first + draft_vocab > vocab:
+            raise ValueError(f"constant_token {constant_token} + draft vocab {draft_vocab} exceeds vocab {vocab}")
+        used = torch.arange(first, first + draft_vocab) if draft_vocab < vocab else torch.arange(vocab)
+        if draft_vocab < vocab and constant_token is None:
+            used = torch.linspace(0, vocab - 1, draft_vocab).round().long().unique()
+        model.d2t.copy_(used - torch.arange(draft_vocab))
+        model.t2d.zero_()
+        model.t2d[used] = True
+        if constant_token is not None:
+            model.norm.weight.zero_()
+    model.save_pretrained(out_dir, layout=layout)
+    return model

@@ -1,0 +1,164 @@
+"""The import graph of vllm_edsd/, weights_convert/ and bench/, read from the code with ``ast``:
+no import circles between modules, and no import that goes against the rooms' order below
+(docs/architecture.md explains the rooms). Every import counts: module level, inside
+functions, and modules named in strings (``importlib.import_module`` tables,
+``"package.module:Class"`` registrations)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("vllm_edsd", "weights_convert", "bench")
+
+# room -> the rooms it may import (besides itself). A module's room is the longest entry that is
+# it or a package above it. Add a room here, with what it needs, before importing across rooms.
+ROOMS: dict[str, set[str]] = {
+    "vllm_edsd.errors": set(),
+    "vllm_edsd.version": set(),
+    "vllm_edsd.command": {"vllm_edsd.errors"},
+    "vllm_edsd.data": {"vllm_edsd.errors"},
+    "vllm_edsd.checkpoint": {"vllm_edsd.errors"},
+    "vllm_edsd.model": {"vllm_edsd.errors", "vllm_edsd.checkpoint"},
+    "vllm_edsd.target": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.data"},
+    "vllm_edsd.launch": {"vllm_edsd.errors"},
+    "vllm_edsd.serving": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.model", "vllm_edsd.launch"},
+    "vllm_edsd.conversion": {"vllm_edsd.errors", "vllm_edsd.version", "vllm_edsd.checkpoint", "vllm_edsd.model"},
+    "vllm_edsd.training": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.model", "vllm_edsd.data",
+                           "vllm_edsd.target", "vllm_edsd.launch"},
+    "vllm_edsd.demo": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.data",
+                       "vllm_edsd.launch", "vllm_edsd.target", "vllm_edsd.training", "vllm_edsd.conversion"},
+    "vllm_edsd.cli": {"vllm_edsd.command", "vllm_edsd.conversion", "vllm_edsd.target", "vllm_edsd.training",
+                      "vllm_edsd.demo"},
+    "vllm_edsd": {"vllm_edsd.version", "vllm_edsd.serving"},  # the package itself: the vLLM plugin entry point
+    "weights_convert": {"vllm_edsd.conversion", "vllm_edsd.cli"},
+    "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.data", "vllm_edsd.launch", "vllm_edsd.serving",
+              "vllm_edsd.demo"},
+}
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def owning_module(name: str) -> str | None:
+    """The module of ours that ``name`` (a module or a name inside one) refers to."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str, path: Path) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value.split(":", 1)[0]
+            if name in MODULES:  # importlib.import_module("...") tables, "module:Class" registrations
+                found.add(name)
+    ours = {owning_module(name) for name in found if name.split(".")[0] in PACKAGES}
+    return {name for name in ours if name and name != module}
+
+
+GRAPH = {module: imports_of(module, path) for module, path in MODULES.items()}
+
+
+def room_of(module: str) -> str | None:
+    candidates = [room for room in ROOMS if module == room or module.startswith(room + ".")]
+    return max(candidates, key=len, default=None)
+
+
+def test_every_module_has_a_room():
+    assert [m for m in MODULES if room_of(m) is None] == []
+
+
+def test_the_room_table_is_acyclic():
+    seen: dict[str, int] = {}
+
+    def visit(room: str, trail: tuple[str, ...]) -> None:
+        assert room not in trail, f"rooms depend on each other in a circle: {' -> '.join((*trail, room))}"
+        if seen.get(room):
+            return
+        for lower in ROOMS[room]:
+            visit(lower, (*trail, room))
+        seen[room] = 1
+
+    for room in ROOMS:
+        visit(room, ())
+
+
+def test_no_import_goes_against_the_rooms():
+    wrong = []
+    for module, imported in GRAPH.items():
+        room = room_of(module)
+        for other in sorted(imported):
+            other_room = room_of(other)
+            if other_room != room and other_room not in ROOMS[room]:
+                wrong.append(f"{module} ({room}) imports {other} ({other_room})")
+    assert wrong == [], "imports the room table (tests/unit/test_architecture.py) does not allow:\n" + "\n".join(wrong)
+
+
+def test_no_import_circles():
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def strongly_connect(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                strongly_connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(GRAPH):
+        if module not in index:
+            strongly_connect(module)
+    assert circles == [], f"import circles: {circles}"
+
+
+def test_the_graph_sees_function_level_and_string_imports():
+    """The reader itself: a lazy import and an importlib table are edges."""
+    assert "vllm_edsd.serving.plugin" in GRAPH["vllm_edsd"]  # inside register()
+    assert "vllm_edsd.demo.build" in GRAPH["vllm_edsd.cli"]  # the subcommand table
+    assert "vllm_edsd.serving.vllm_model" in GRAPH["vllm_edsd.serving.plugin"]  # "module:Class"
+
+
+def test_the_package_does_not_import_its_entries_or_the_tests():
+    for module, imported in GRAPH.items():
+        if module.startswith("vllm_edsd"):
+            assert not {m for m in imported if m.split(".")[0] in ("weights_convert", "bench")}, module
+    text = "\n".join(path.read_text() for module, path in MODULES.items() if module.startswith("vllm_edsd"))
+    assert "support.toy" not in text and "toy_corpus" not in text

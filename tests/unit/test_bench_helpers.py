@@ -1,0 +1,70 @@
+"""The bench's helpers on their own, no engine: speed-up ratios, the Poisson arrival schedule,
+latency summaries from raw timings, and a missing optional dependency as one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bench.latency import NOT_COMPLETED, aggregate, poisson_schedule, summary
+from bench.offline import with_speedup
+
+
+def test_speedup_helper():
+    rows = [{"method": "none", "batch_size": 1, "output_tokens_per_s": 10.0},
+            {"method": "edsd", "batch_size": 1, "output_tokens_per_s": 15.0},
+            {"method": "edsd", "batch_size": 2, "output_tokens_per_s": 15.0}]
+    assert [r["speedup"] for r in with_speedup(rows, ("batch_size",))] == [1.0, 1.5, None]
+
+
+def test_poisson_schedule_is_seeded_and_has_exponential_gaps():
+    arrivals = poisson_schedule(4.0, 20000, seed=1)
+    assert arrivals == poisson_schedule(4.0, 20000, seed=1)
+    assert arrivals[:10] != poisson_schedule(4.0, 10, seed=2)
+    gaps = np.diff([0.0, *arrivals])
+    assert (gaps > 0).all()
+    assert gaps.mean() == pytest.approx(1 / 4.0, rel=0.03)
+    assert gaps.std() == pytest.approx(gaps.mean(), rel=0.05)  # exponential: sd = mean (constant gaps: sd 0)
+    assert np.median(gaps) == pytest.approx(np.log(2) / 4.0, rel=0.05)
+
+
+def test_summary_is_computed_from_raw_values():
+    values = [float(v) for v in range(1, 101)]
+    assert summary(values, "e2e") == {"e2e_mean_s": 50.5, "e2e_p50_s": 50.5, "e2e_p99_s": pytest.approx(99.01)}
+    assert summary([], "ttft") == {"ttft_mean_s": None, "ttft_p50_s": None, "ttft_p99_s": None}
+
+
+def test_aggregate_counts_failures_and_derives_ttft_itl():
+    def record(start, e2e, chunks, tokens, error=None, late=0.0):
+        return {"scheduled_s": start - late, "start_s": start, "e2e_s": e2e, "chunks": chunks, "output_tokens": tokens,
+                "error": error}
+
+    records = [record(0.0, 1.0, [[0.2, 1], [0.6, 2], [1.0, 2]], 5),  # ttft 0.2, itl (1.0 - 0.2) / 4
+               record(1.0, 2.0, [[0.5, 1], [1.5, 1]], 2, late=0.2),  # ttft 0.5, itl 1.0
+               record(2.0, 0.1, [], 0, error="HTTP 500"),
+               record(3.0, 0.4, [[0.3, 1]], 0, error="truncated stream (no [DONE])")]
+    row = aggregate(records, scheduled=5)
+    assert row["num_requests"] == 5 and row["failures"] == 3
+    assert row["failure_reasons"] == {"HTTP 500": 1, "truncated stream (no [DONE])": 1, NOT_COMPLETED: 1}
+    assert row["late_starts"] == 1
+    assert row["achieved_qps"] == pytest.approx(3 / 3.0)
+    assert row["output_tokens"] == 7 and row["output_tokens_per_s"] == pytest.approx(7 / 3.0)
+    assert row["ttft_mean_s"] == pytest.approx(0.35) and row["e2e_mean_s"] == pytest.approx(1.5)
+    assert row["itl_p50_s"] == pytest.approx((0.2 + 1.0) / 2)
+
+
+@pytest.mark.parametrize(("suite", "absent", "package"), [("acceptance", "matplotlib", "matplotlib"),
+                                                           ("latency", "locust", "locust")])
+def test_missing_optional_dependency_is_one_line_before_any_work(tmp_path, suite, absent, package):
+    """Without the bench extra, `python -m bench` names what to install and exits 2 before it
+    measures anything (no traceback, no output directory)."""
+    out = tmp_path / "results"
+    code = (f"import sys; sys.modules[{absent!r}] = None\n"  # what an environment without it looks like
+            f"from bench.__main__ import main; sys.exit(main([{suite!r}, '--out', {str(out)!r}, '--quick']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"missing {package}" in proc.stderr and "pip install 'vllm-edsd[bench]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()

@@ -1,0 +1,58 @@
+"""The plugin's own start-up: what it replaces in vLLM, when, and when it leaves vLLM alone.
+
+Each case runs in a fresh interpreter, since the plugin's replacements last for a process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# After register(): which of the plugin's load-time patches are in place, and the log lines.
+PROBE = """
+import json, logging, sys
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+import vllm
+if len(sys.argv) > 1:
+    vllm.__version__ = sys.argv[1]
+import vllm_edsd
+from vllm_edsd.serving.plugin import PATCHES
+from vllm_edsd.serving.patching import applied
+vllm_edsd.register()
+vllm_edsd.register()
+print(json.dumps({p.name: applied(p) for p in PATCHES if p.at_load}))
+"""
+
+
+def start_plugin(*args: str, **env: str) -> tuple[dict, str]:
+    out = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, check=True,
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG", **env})
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout + out.stderr  # vLLM 0.27 logs to stdout
+
+
+@pytest.mark.vllm_range
+def test_every_replacement_is_logged_once():
+    applied, log = start_plugin()
+    assert applied["vllm.config.SpeculativeConfig.__init__"]
+    assert applied["vllm.engine.arg_utils.EngineArgs.create_engine_config"]
+    for name, is_applied in applied.items():
+        assert log.count(f"vllm-edsd: replaced {name} ") == int(is_applied), name
+    # On CPU exactly one of the two kernel-installation hooks applies, whatever the vLLM.
+    assert (
+        sum(applied[n] for n in applied if n.endswith(("register_triton_kernel_overrides", "_postprocess_triton"))) == 1
+    )
+
+
+def test_disable_switch_leaves_vllm_untouched():
+    applied, log = start_plugin(VLLM_EDSD_DISABLE="1")
+    assert not any(applied.values()) and "vllm-edsd: replaced" not in log
+
+
+def test_vllm_outside_the_range_is_left_untouched_with_one_warning():
+    applied, log = start_plugin("0.23.0")
+    assert not any(applied.values())
+    assert log.count("supports vLLM 0.24 up to (not including) 0.34; the installed vLLM is 0.23.0") == 1

@@ -1,0 +1,423 @@
+"""The EDSD draft configuration: one parser and validator for every checkpoint layout.
+
+This project's training layout (docs/formats.md) and the vLLM layout (docs/formats.md) share the Llama
+hyper-parameters of the draft decoder layer plus an ``edsd_config`` block; SpecForge's
+config is translated into that form by ``layouts.py`` first. This module is the only place
+that reads or writes the fields, so the converter, the trainer, the reference model and the
+vLLM plugin cannot disagree about one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from vllm_edsd.checkpoint.files import load_json
+from vllm_edsd.errors import EDSDError
+
+# No size, count or constant of a drafter reaches 2**31: a larger one is a typo or an attack,
+# and would overflow an int32 index or an allocation further on.
+MAX_FIELD = 2**31
+
+LAYER_INPUT = "layer_input"  # EAGLE / vLLM / SGLang: id l = input of decoder layer l
+LAYER_OUTPUT = "layer_output"  # SpecForge: id l = output of decoder layer l = vLLM id l+1
+LAYER_ID_CONVENTIONS = (LAYER_INPUT, LAYER_OUTPUT)
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+
+# The norm EDFuse applies to the token embedding. SpecForge's EDSD (what the paper's drafters
+# were trained with) uses an RMSNorm; the paper's prose describes a LayerNorm with bias.
+RMSNORM = "rmsnorm"
+LAYERNORM = "layernorm"
+TOKEN_NORMS = (RMSNORM, LAYERNORM)
+# A config written before the field existed had the LayerNorm.
+LEGACY_TOKEN_NORM = LAYERNORM
+
+
+@dataclass(frozen=True)
+class TargetFingerprint:
+    """What a drafter must agree on with its target model."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int | None = None
+    model_type: str | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> TargetFingerprint:
+        """From a transformers config object or dict (text config of multimodal models)."""
+        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+        return cls(
+            vocab_size=int(get("vocab_size")),
+            hidden_size=int(get("hidden_size")),
+            num_hidden_layers=int(get("num_hidden_layers")),
+            model_type=get("model_type"),
+        )
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "edsd_config.target") -> TargetFingerprint | None:
+        """The fingerprint a drafter's config records; a malformed one is refused by name."""
+        if d is None or d == {}:
+            return None
+        if not isinstance(d, dict):
+            raise EDSDError(f"{source}: must be an object with vocab_size and hidden_size, got {d!r:.80}")
+
+        def size(key: str, required: bool = True) -> int | None:
+            value = d.get(key)
+            if value is None and not required:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_FIELD:
+                raise EDSDError(f"{source}: field '{key}' must be a positive integer below 2**31, got {value!r:.80}")
+            return value
+
+        model_type = d.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise EDSDError(f"{source}: field 'model_type' must be a string, got {model_type!r:.80}")
+        return cls(vocab_size=size("vocab_size"), hidden_size=size("hidden_size"),
+                   num_hidden_layers=size("num_hidden_layers", required=False), model_type=model_type)
+
+
+@dataclass(frozen=True)
+class EDSDConfig:
+    """Hyper-parameters of an EDSD drafter, aux layer ids always in vLLM's convention."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    fuse_intermediate_size: int
+    aux_layer_ids: tuple[int, int]
+    rms_norm_eps: float = 1e-5
+    token_norm: str = RMSNORM
+    token_norm_eps: float = 1e-5
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    token_norm_folded: bool = False
+    torch_dtype: str = "float32"
+    target: TargetFingerprint | None = None
+    # Provenance, written by the converter into the vLLM layout.
+    metadata: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- parsing
+    @classmethod
+    def from_dict(
+        cls,
+        raw: dict,
+        *,
+        source: str = "config.json",
+        layer_id_convention: str | None = None,
+    ) -> EDSDConfig:
+        """Validate a config.json dict of either layout.
+
+        ``layer_id_convention`` overrides the convention recorded in the file (the
+        converter's ``--layer-id-convention``); the result always holds vLLM ids.
+        """
+        if not isinstance(raw, dict):
+            raise EDSDError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        edsd = raw.get("edsd_config")
+        if not isinstance(edsd, dict):
+            raise EDSDError(
+                f"{source}: no 'edsd_config' block; this is not an EDSD drafter "
+                f"(architectures={raw.get('architectures')})"
+            )
+
+        def need(block: dict, key: str, kind: type, where: str = "") -> Any:
+            if key not in block:
+                raise EDSDError(f"{source}: missing field '{where}{key}'")
+            value = block[key]
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise EDSDError(f"{source}: field '{where}{key}' must be an integer, got {value!r}")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise EDSDError(f"{source}: field '{where}{key}' must be a number, got {value!r}")
+            if kind in (int, float) and not value > 0:  # NaN too
+                raise EDSDError(f"{source}: field '{where}{key}' must be positive, got {value!r}")
+            if kind in (int, float) and not value < MAX_FIELD:  # inf, and sizes that overflow further on
+                raise EDSDError(f"{source}: field '{where}{key}' must be below 2**31, got {value!r:.40}")
+            return value
+
+        def optional(block: dict, key: str, kind: type, default: Any, where: str = "") -> Any:
+            """A field that may be absent (or null): then ``default``; else checked as ``need`` does."""
+            return default if block.get(key) is None else need(block, key, kind, where)
+
+        hidden = need(raw, "hidden_size", int)
+        heads = need(raw, "num_attention_heads", int)
+        layers = raw.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise EDSDError(f"{source}: field 'num_hidden_layers' must be 1 for an EDSD drafter, got {layers!r}")
+        vocab = need(raw, "vocab_size", int)
+        draft_vocab = raw.get("draft_vocab_size")
+        draft_vocab = vocab if draft_vocab is None else draft_vocab
+        if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or not 0 < draft_vocab <= vocab:
+            raise EDSDError(
+                f"{source}: field 'draft_vocab_size' must be an integer in 1..vocab_size={vocab}, got {draft_vocab!r}"
+            )
+        if raw.get("head_dim") is None and hidden % heads:
+            raise EDSDError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                            "(give 'head_dim' explicitly if the attention width differs from hidden_size)")
+        head_dim = optional(raw, "head_dim", int, hidden // heads)
+        if head_dim % 2:
+            raise EDSDError(f"{source}: field 'head_dim' must be even (RoPE rotates pairs), got {head_dim}")
+        convention = layer_id_convention or edsd.get("aux_layer_id_convention")
+        if convention is None:
+            raise EDSDError(
+                f"{source}: field 'edsd_config.aux_layer_id_convention' is missing; pass "
+                f"--layer-id-convention {LAYER_INPUT}|{LAYER_OUTPUT} (SpecForge checkpoints record "
+                f"'{LAYER_OUTPUT}': the output of layer i, which is vLLM's id i+1)"
+            )
+        if convention not in LAYER_ID_CONVENTIONS:
+            raise EDSDError(
+                f"{source}: aux layer id convention {convention!r} is not one of {LAYER_ID_CONVENTIONS}"
+            )
+        ids = edsd.get("aux_layer_ids")
+        if (
+            not isinstance(ids, (list, tuple))
+            or len(ids) != 2
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            raise EDSDError(
+                f"{source}: field 'edsd_config.aux_layer_ids' must list exactly two non-negative "
+                f"target layer ids, got {ids!r}"
+            )
+        shift = 1 if convention == LAYER_OUTPUT else 0
+        vllm_ids = tuple(sorted(i + shift for i in ids))
+        if vllm_ids[0] == vllm_ids[1]:
+            raise EDSDError(f"{source}: field 'edsd_config.aux_layer_ids' names the same layer twice: {ids!r}")
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if dtype not in SUPPORTED_DTYPES:
+            raise EDSDError(f"{source}: field 'torch_dtype' is {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise EDSDError(f"{source}: field 'hidden_act' is {act!r}; the EDSD draft layer is a SwiGLU (silu)")
+        kv_heads = optional(raw, "num_key_value_heads", int, heads)
+        if heads % kv_heads:
+            raise EDSDError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        folded = edsd.get("token_norm_folded", False)
+        if not isinstance(folded, bool):
+            raise EDSDError(f"{source}: field 'edsd_config.token_norm_folded' must be true or false")
+        token_norm = edsd.get("token_norm", LEGACY_TOKEN_NORM)
+        if token_norm not in TOKEN_NORMS:
+            raise EDSDError(
+                f"{source}: field 'edsd_config.token_norm' is {token_norm!r}; supported: {', '.join(TOKEN_NORMS)}"
+            )
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=need(raw, "intermediate_size", int),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            draft_vocab_size=draft_vocab,
+            target_hidden_size=optional(raw, "target_hidden_size", int, hidden),
+            fuse_intermediate_size=need(edsd, "fuse_intermediate_size", int, "edsd_config."),
+            aux_layer_ids=vllm_ids,  # type: ignore[arg-type]
+            rms_norm_eps=float(optional(raw, "rms_norm_eps", float, 1e-5)),
+            token_norm=token_norm,
+            token_norm_eps=float(optional(edsd, "token_norm_eps", float, 1e-5, "edsd_config.")),
+            rope_parameters=rope_parameters_of(raw, source),
+            max_position_embeddings=optional(raw, "max_position_embeddings", int, 2048),
+            hidden_act=act,
+            token_norm_folded=folded,
+            torch_dtype=dtype,
+            target=TargetFingerprint.from_dict(edsd.get("target"), f"{source}: field 'edsd_config.target'"),
+            metadata={k: v for k, v in edsd.items() if k in ("converter", "source")},
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path, **kwargs: Any) -> EDSDConfig:
+        return cls.from_dict(read_config_json(path), source=str(Path(path) / "config.json"), **kwargs)
+
+    @classmethod
+    def for_target(
+        cls,
+        target: dict,
+        aux_layer_ids: tuple[int, int],
+        *,
+        draft_vocab_size: int | None = None,
+        fuse_intermediate_size: int | None = None,
+        intermediate_size: int | None = None,
+        token_norm: str = RMSNORM,
+    ) -> EDSDConfig:
+        """A drafter shaped for a target's ``config.json`` (docs/formats.md defaults: d = d_t,
+        m = the target's FFN width, the target's attention geometry and RoPE; the token
+        norm of SpecForge's EDSD unless asked otherwise)."""
+        t = target.get("text_config") or target
+        fingerprint = TargetFingerprint.from_hf_config(t)
+        copied = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "rope_theta",
+                  "rope_scaling")
+        raw = {k: t[k] for k in copied if t.get(k) is not None}
+        raw.update(
+            num_hidden_layers=1,
+            draft_vocab_size=t["vocab_size"] if draft_vocab_size is None else draft_vocab_size,
+            torch_dtype="float32",
+            edsd_config={
+                "aux_layer_ids": list(aux_layer_ids),
+                "aux_layer_id_convention": LAYER_INPUT,
+                "fuse_intermediate_size": fuse_intermediate_size or t["intermediate_size"],
+                "token_norm": token_norm,
+                "token_norm_eps": t.get("rms_norm_eps", 1e-5),
+                "target": {k: v for k, v in asdict(fingerprint).items() if v is not None},
+            },
+        )
+        if intermediate_size:
+            raw["intermediate_size"] = intermediate_size
+        cfg = cls.from_dict(raw, source="drafter config for the target")
+        cfg.check_target(fingerprint)
+        return cfg
+
+    # ---------------------------------------------------------------- writing
+    def llama_fields(self) -> dict:
+        """The Llama hyper-parameters of the draft decoder layer, as config.json writes them."""
+        out = {
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+            "torch_dtype": self.torch_dtype,
+            "rope_parameters": dict(self.rope_parameters),
+        }
+        # transformers 4.x readers look for these two.
+        out["rope_theta"] = self.rope_parameters.get("rope_theta", 10000.0)
+        if self.rope_parameters.get("rope_type", "default") != "default":
+            out["rope_scaling"] = dict(self.rope_parameters)
+        if self.target_hidden_size != self.hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        return out
+
+    def _edsd_block(self, convention: str) -> dict:
+        shift = 1 if convention == LAYER_OUTPUT else 0
+        block = {
+            "aux_layer_ids": [i - shift for i in self.aux_layer_ids],
+            "aux_layer_id_convention": convention,
+            "fuse_intermediate_size": self.fuse_intermediate_size,
+            "token_norm": self.token_norm,
+            "token_norm_eps": self.token_norm_eps,
+            "token_norm_folded": self.token_norm_folded,
+        }
+        if self.target is not None:
+            block["target"] = {k: v for k, v in asdict(self.target).items() if v is not None}
+        block.update(self.metadata)
+        return block
+
+    def to_training_dict(self, architecture: str) -> dict:
+        """config.json of the training layout (docs/formats.md), ids in vLLM's convention."""
+        return {
+            "architectures": [architecture],
+            **self.llama_fields(),
+            "edsd_config": self._edsd_block(LAYER_INPUT),
+        }
+
+    def to_vllm_dict(self, architecture: str) -> dict:
+        """config.json of the vLLM layout (docs/formats.md)."""
+        ids = list(self.aux_layer_ids)
+        return {
+            "architectures": [architecture],
+            **self.llama_fields(),
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            "edsd_config": self._edsd_block(LAYER_INPUT),
+        }
+
+    def with_updates(self, **changes: Any) -> EDSDConfig:
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------- checking
+    def check_target(self, target: TargetFingerprint, *, drafter: str = "drafter") -> None:
+        """Refuse a target this drafter was not made for, naming the mismatch."""
+        problems = []
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size: drafter {self.vocab_size}, target {target.vocab_size}")
+        if self.target_hidden_size != target.hidden_size:
+            problems.append(
+                f"hidden size: drafter reads target features of size {self.target_hidden_size}, "
+                f"target hidden_size is {target.hidden_size}"
+            )
+        n = target.num_hidden_layers
+        if n is not None:
+            bad = [i for i in self.aux_layer_ids if i > n]
+            if bad:
+                problems.append(
+                    f"aux layer ids {list(self.aux_layer_ids)} (vLLM convention: input of layer i): "
+                    f"{bad} do not exist in a target with {n} layers (valid: 0..{n})"
+                )
+            fp = self.target
+            if fp is not None and fp.num_hidden_layers is not None and fp.num_hidden_layers != n:
+                problems.append(
+                    f"num_hidden_layers: drafter was made for a target with {fp.num_hidden_layers} "
+                    f"layers, this target has {n}"
+                )
+        if problems:
+            raise EDSDError(f"{drafter} does not fit the target model: " + "; ".join(problems))
+
+
+ROPE_SCALING_FIELDS = {  # what each scaled RoPE reads, beyond rope_theta
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def rope_parameters_of(raw: dict, source: str = "config.json") -> dict:
+    """RoPE settings from a transformers 5 (``rope_parameters``) or 4 (``rope_theta``,
+    ``rope_scaling``) config, normalised to the transformers 5 form."""
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = raw.get("rope_scaling") or {}
+        if not isinstance(params, dict):
+            raise EDSDError(f"{source}: field 'rope_scaling' must be an object, got {params!r:.80}")
+        params = {"rope_theta": raw.get("rope_theta", 10000.0), **params}
+    if not isinstance(params, dict):
+        raise EDSDError(f"{source}: field 'rope_parameters' must be an object, got {params!r:.80}")
+    params = dict(params)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if not isinstance(params["rope_type"], str) or params["rope_type"] not in ("default", "llama3", "linear"):
+        raise EDSDError(
+            f"{source}: rope type {params['rope_type']!r} is not supported by the EDSD draft layer "
+            "(supported: default, llama3, linear)"
+        )
+    needed = ("rope_theta", *ROPE_SCALING_FIELDS.get(params["rope_type"], ()))
+    for key in needed:
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            what = "missing" if key not in params else f"{value!r}"
+            raise EDSDError(f"{source}: {params['rope_type']} RoPE needs '{key}' as a positive number, got {what}")
+    if params["rope_type"] == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
+        raise EDSDError(f"{source}: llama3 RoPE needs low_freq_factor < high_freq_factor, got "
+                        f"{params['low_freq_factor']} and {params['high_freq_factor']}")
+    return params
+
+
+def read_config_json(path: str | Path) -> dict:
+    """Read ``path/config.json`` with errors that name the problem."""
+    path = Path(path)
+    if not path.exists():
+        raise EDSDError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise EDSDError(f"{path}: not a directory (expected a drafter directory with config.json)")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise EDSDError(f"{path}: no config.json in this directory")
+    raw = load_json(cfg)
+    if not isinstance(raw, dict):
+        raise EDSDError(f"{cfg}: expected a JSON object")
+    return raw

@@ -1,0 +1,65 @@
+"""``edsd convert``: arguments, progress bar and the summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_edsd.checkpoint.config import LAYER_ID_CONVENTIONS, SUPPORTED_DTYPES
+
+from .converter import convert
+
+EPILOG = """\
+SRC is an EDSD drafter as training wrote it, recognised by its architecture name or its
+tensor names:
+  - this project's training layout (`edsd train`): LlamaForCausalLMEDSD
+  - SpecForge's EdsdDraftModel: target_layer_ids are read as "output of layer i" (vLLM id
+    i+1), embnorm is the RMSNorm token norm; SRC may be an epoch_*_step_* save or the
+    directory holding them (the latest is taken). training_state.pt is never opened.
+Weights: model.safetensors, sharded safetensors with model.safetensors.index.json, or a
+legacy pytorch_model.bin (read without unpickling code). DST is written atomically: a
+failed conversion leaves nothing behind.
+
+examples:
+  edsd convert runs/edsd/final drafters/edsd-llama
+  edsd convert outputs/qwen3-8b-edsd drafters/qwen3-edsd --target /models/Qwen3-8B --dtype bfloat16
+  edsd convert ckpt out --target /models/Llama-3.1-8B-Instruct --fold-token-norm
+"""
+
+
+# The `edsd convert` subcommand (vllm_edsd.command).
+name = "convert"
+help = "convert an EDSD drafter (this project's training layout or SpecForge's) to the layout vLLM serves"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("src", help="EDSD drafter directory (this project's training layout or SpecForge's)")
+    parser.add_argument("dst", help="output directory (vLLM layout)")
+    parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, help="weight dtype of the output (default: the source's)")
+    parser.add_argument(
+        "--target", help="target model directory: check the drafter against it and record its fingerprint"
+    )
+    parser.add_argument("--fold-token-norm", action="store_true",
+                        help="fold EDFuse's token norm (RMSNorm or LayerNorm) into a draft-owned embedding "
+                             "table made from --target's: one norm less per draft step, one table more in memory")
+    parser.add_argument("--layer-id-convention", choices=LAYER_ID_CONVENTIONS,
+                        help="how SRC numbers its aux layers, overriding what its layout says: layer_input = "
+                             "vLLM/EAGLE, layer_output = SpecForge (output of layer i = vLLM id i+1)")
+    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    def progress(items, total):
+        if not sys.stderr.isatty():
+            return items
+        from tqdm import tqdm
+
+        return tqdm(items, total=total, desc="converting", unit="tensor")
+
+    summary = convert(
+        args.src, args.dst, dtype=args.dtype, target=args.target, fold_token_norm=args.fold_token_norm,
+        layer_id_convention=args.layer_id_convention, force=args.force, progress=progress,
+    )
+    print(summary.render())
+    return 0

@@ -1,0 +1,299 @@
+"""EDSD drafters as they exist in the wild (this project's training layout, SpecForge's
+``EdsdDraftModel``) → the layout vLLM serves (docs/formats.md).
+
+Everything is validated before anything is written: the config, every tensor's name and
+shape (from the safetensors header), ``d2t``/``t2d`` against the vocabulary sizes, and, with a
+target, the drafter against the target. Tensors are then read one at a time, checked for
+NaN/Inf, renamed through the source layout's table, cast, and written into a directory that
+appears at ``dst`` only when it is complete. Only the drafter's weight files are read:
+``training_state.pt`` beside them (optimizer state, a pickle) is never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_edsd.checkpoint.config import (
+    LAYER_ID_CONVENTIONS,
+    SUPPORTED_DTYPES,
+    EDSDConfig,
+    TargetFingerprint,
+    read_config_json,
+)
+from vllm_edsd.checkpoint.files import (
+    SAFETENSORS,
+    atomic_directory,
+    cast_floating,
+    finished_checkpoint,
+    iter_tensors,
+    load_json,
+    read_tensor,
+    tensor_files,
+    tensor_shapes,
+    write_checkpoint,
+)
+from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, ROPE_CACHES, Layout, detect_layout
+from vllm_edsd.checkpoint.vocab import check_vocab_mapping
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.model.edsd import DTYPES, check_tensors, token_norm
+from vllm_edsd.version import __version__
+
+TOKEN_NORM_PREFIX = "edfuse.token_norm."
+EMBEDDING = "embed_tokens.weight"
+# SpecForge's training loop writes one folder per save: <out>/epoch_{e}_step_{s}/.
+SPECFORGE_SAVE = re.compile(r"epoch_(\d+)_step_(\d+)")
+
+
+@dataclass
+class Summary:
+    """What a conversion produced, for the one-screen report."""
+
+    src: str
+    dst: str
+    layout: str
+    parameters: int
+    dtype: str
+    vocab_size: int
+    draft_vocab_size: int
+    source_layer_ids: list[int]
+    source_convention: str
+    vllm_layer_ids: list[int]
+    token_norm: str
+    folded: bool
+    embedding: str
+    target: TargetFingerprint | None
+
+    def render(self) -> str:
+        target = "not checked (pass --target)" if self.target is None else (
+            f"checked: vocab {self.target.vocab_size}, hidden {self.target.hidden_size}, "
+            f"{self.target.num_hidden_layers} layers"
+        )
+        norm = f"{self.token_norm}, " + (
+            "folded into a draft-owned embedding table" if self.folded else "kept; embedding shared with the target"
+        )
+        return "\n".join(
+            [
+                f"converted   {self.src} ({self.layout})",
+                f"        ->  {self.dst}",
+                f"parameters  {self.parameters:,} ({self.dtype})",
+                f"vocabulary  draft {self.draft_vocab_size:,} of target {self.vocab_size:,}",
+                f"aux layers  {self.source_layer_ids} ({self.source_convention}) = "
+                f"{self.vllm_layer_ids} in vLLM's convention",
+                f"token norm  {norm}",
+                f"embedding   {self.embedding}",
+                f"target      {target}",
+                "serve with  --speculative-config "
+                + json.dumps({"method": "edsd", "model": self.dst, "num_speculative_tokens": 4}),
+            ]
+        )
+
+
+def resolve_source(src: Path) -> Path:
+    """``src`` itself, or, for a SpecForge output directory without a config of its own,
+    its latest ``epoch_*_step_*`` save."""
+    if not src.is_dir() or (src / "config.json").is_file():
+        return src
+    saves = [
+        (tuple(map(int, m.groups())), p)
+        for p in src.iterdir()
+        if (m := SPECFORGE_SAVE.fullmatch(p.name)) and p.is_dir()
+    ]
+    if not saves:
+        return src
+    return max(saves)[1]
+
+
+def _target_fingerprint(target: str | Path) -> TargetFingerprint:
+    raw = read_config_json(target)
+    text = raw.get("text_config") or raw
+    try:
+        return TargetFingerprint.from_hf_config(text)
+    except (KeyError, TypeError, ValueError):
+        raise EDSDError(f"{target}/config.json: lacks vocab_size, hidden_size or num_hidden_layers") from None
+
+
+def _target_embedding(target: str | Path) -> torch.Tensor:
+    """The target's input embedding table, the one tensor read from its checkpoint."""
+    for name, file in tensor_files(target).items():
+        if name.endswith("embed_tokens.weight") and "vision" not in name:
+            return read_tensor(file, name)
+    raise EDSDError(f"{target}: no '*embed_tokens.weight' tensor found in the target checkpoint")
+
+
+def _check_same_embedding(own: torch.Tensor, target_table: torch.Tensor, source: str, target: str | Path) -> None:
+    """A drafter's copy of the embedding must be its target's (up to the precision it was saved in)."""
+    own, target_table = own.float(), target_table.float()
+    if own.shape != target_table.shape:
+        raise EDSDError(
+            f"{source}: '{EMBEDDING}' has shape {list(own.shape)}, the target's table {list(target_table.shape)}"
+        )
+    scale = target_table.abs().max().clamp(min=1e-6)
+    if ((own - target_table).abs().max() / scale) > 1e-2:
+        raise EDSDError(
+            f"{source}: '{EMBEDDING}' differs from the embedding of {target}: "
+            "the drafter was trained for another target"
+        )
+
+
+@torch.no_grad()
+def _fold_token_norm(embedding: torch.Tensor, tensors: dict[str, torch.Tensor], cfg: EDSDConfig) -> torch.Tensor:
+    """norm(Embed(x)) depends only on x: precompute it for the whole vocabulary (in float32,
+    with the reference model's own norm) and take the norm's tensors out of the drafter."""
+    norm = token_norm(cfg).float()
+    norm.load_state_dict({k.removeprefix(TOKEN_NORM_PREFIX): tensors.pop(k).float()
+                          for k in list(tensors) if k.startswith(TOKEN_NORM_PREFIX)})
+    return norm(embedding.float())
+
+
+CONVERTER_NAME = "vllm-edsd"
+WRITTEN_FILES = {"config.json", SAFETENSORS}
+
+
+def _check_replaceable(found: Path, dst: Path) -> None:
+    """``--force`` replaces only a drafter this converter wrote (finished or cut off), never
+    another directory or file. ``found`` is what was at ``dst`` when the output was ready."""
+    why = None
+    if not found.is_dir() or found.is_symlink():
+        why = "it is not a directory"
+    else:
+        try:
+            written_by = load_json(found / "config.json")["edsd_config"]["converter"]["name"]
+        except (EDSDError, OSError, KeyError, TypeError):
+            written_by = None
+        others = sorted(p.name for p in found.iterdir() if p.name not in WRITTEN_FILES)
+        if written_by != CONVERTER_NAME:
+            why = "it is not a drafter written by edsd convert"
+        elif others:
+            why = f"it holds files edsd convert does not write ({', '.join(others[:3])})"
+    if why:
+        raise EDSDError(f"{dst}: refusing to replace it with --force: {why}; remove it yourself or choose another DST")
+
+
+def _check_destination(dst: Path, force: bool) -> None:
+    """Refuse early what the final rename would refuse, before the work."""
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if force:
+        _check_replaceable(dst, dst)
+    elif dst.is_dir() and (dst / "config.json").is_file() and not finished_checkpoint(dst):
+        raise EDSDError(f"{dst}: holds an unfinished output (a config.json without its weights, from an "
+                        "interrupted run); use --force to replace it")
+    else:
+        raise EDSDError(f"{dst}: already exists (use --force to replace it)")
+
+
+def provenance(path: Path) -> str:
+    """A source directory as recorded in an output: its last two path components, descriptive
+    without naming the machine's directories."""
+    return "/".join(path.resolve().parts[-2:])
+
+
+def _source_layout(src: Path, raw: dict, shapes: dict) -> Layout:
+    layout = detect_layout(raw, shapes, source=f"{src}/config.json")
+    if layout is EDSD_VLLM:
+        raise EDSDError(f"{src}: already in the vLLM layout; serve it directly")
+    if layout is EAGLE3:
+        raise EDSDError(f"{src}: an EAGLE-3 drafter, not EDSD: vLLM serves it as it is with \"method\": \"eagle3\"")
+    return layout
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    dtype: str | None = None,
+    target: str | Path | None = None,
+    fold_token_norm: bool = False,
+    layer_id_convention: str | None = None,
+    force: bool = False,
+    progress: Callable[[Iterable, int], Iterable] | None = None,
+) -> Summary:
+    """Convert ``src`` (this project's training layout or SpecForge's) into ``dst`` (vLLM layout)."""
+    src, dst = resolve_source(Path(src)), Path(dst)
+    source = str(src)
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        raise EDSDError(f"--dtype {dtype!r} is not supported; choose from {', '.join(SUPPORTED_DTYPES)}")
+    if layer_id_convention is not None and layer_id_convention not in LAYER_ID_CONVENTIONS:
+        raise EDSDError(f"--layer-id-convention {layer_id_convention!r}: choose from {', '.join(LAYER_ID_CONVENTIONS)}")
+    if fold_token_norm and target is None:
+        raise EDSDError("--fold-token-norm needs --target: the folded table is built from the target's embedding")
+    _check_destination(dst, force)
+    raw = read_config_json(src)
+    shapes = tensor_shapes(src)
+    layout = _source_layout(src, raw, shapes)
+    translated = layout.translate_config(raw, f"{src}/config.json")
+    cfg = EDSDConfig.from_dict(translated, source=f"{src}/config.json", layer_id_convention=layer_id_convention)
+    if cfg.token_norm_folded:
+        raise EDSDError(f"{src}/config.json: edsd_config.token_norm_folded is true in a training checkpoint")
+    convention = layer_id_convention or translated["edsd_config"]["aux_layer_id_convention"]
+    source_ids = list(translated["edsd_config"]["aux_layer_ids"])
+
+    check_tensors(cfg, shapes, layout, source=source)
+    fingerprint = None
+    if target is not None:
+        fingerprint = _target_fingerprint(target)
+        cfg.check_target(fingerprint, drafter=source)
+        cfg = cfg.with_updates(target=fingerprint)
+    out_dtype = dtype or cfg.torch_dtype
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in (progress or (lambda it, n: it))(iter_tensors(src), len(shapes)):
+        if name.endswith(ROPE_CACHES):
+            continue  # recomputed from the config by every reader
+        if name not in ("d2t", "t2d"):
+            if not tensor.is_floating_point():
+                raise EDSDError(f"{source}: tensor '{name}' has dtype {tensor.dtype}; weights must be floating point")
+            if not torch.isfinite(tensor).all():
+                raise EDSDError(f"{source}: tensor '{name}' contains NaN or Inf")
+        tensors[layout.names.to_canonical(name)] = tensor
+    check_vocab_mapping(tensors.get("d2t"), tensors.get("t2d"), cfg.vocab_size, cfg.draft_vocab_size, source)
+
+    own_embedding = tensors.pop(EMBEDDING, None)
+    target_table = (
+        _target_embedding(target) if target is not None and (fold_token_norm or own_embedding is not None) else None
+    )
+    if own_embedding is None:
+        embedding = "none in the checkpoint; vLLM shares the target's"
+    elif target_table is None:
+        embedding = f"'{EMBEDDING}' dropped, vLLM shares the target's (not compared: pass --target)"
+    else:
+        _check_same_embedding(own_embedding, target_table, source, target)
+        embedding = f"'{EMBEDDING}' equals the target's; dropped, vLLM shares the target's"
+    if fold_token_norm:
+        if tuple(target_table.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise EDSDError(
+                f"{target}: embedding table has shape {list(target_table.shape)}, "
+                f"expected {[cfg.vocab_size, cfg.hidden_size]}"
+            )
+        tensors[EMBEDDING] = _fold_token_norm(target_table, tensors, cfg)
+        cfg = cfg.with_updates(token_norm_folded=True)
+        embedding = f"the drafter's own: {cfg.token_norm}(target embedding), {cfg.vocab_size:,} rows"
+
+    cfg = cfg.with_updates(
+        torch_dtype=out_dtype,
+        metadata={
+            "converter": {"name": CONVERTER_NAME, "version": __version__},
+            "source": {
+                "path": provenance(src),
+                "layout": layout.name,
+                "aux_layer_ids": source_ids,
+                "aux_layer_id_convention": convention,
+            },
+        },
+    )
+    out = cast_floating(EDSD_VLLM.rename_from_canonical(tensors), DTYPES[out_dtype])
+    with atomic_directory(dst, force=force, replaceable=_check_replaceable) as tmp:
+        write_checkpoint(tmp, EDSD_VLLM.config_json(cfg), out)
+    return Summary(
+        src=source, dst=str(dst), layout=layout.describe, dtype=out_dtype,
+        parameters=sum(t.numel() for n, t in out.items() if t.is_floating_point() and n != EMBEDDING),
+        vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
+        source_layer_ids=source_ids, source_convention=convention, vllm_layer_ids=list(cfg.aux_layer_ids),
+        token_norm=cfg.token_norm, folded=cfg.token_norm_folded, embedding=embedding, target=fingerprint,
+    )

