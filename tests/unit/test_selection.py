@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from vllm_edsd import selection
 from vllm_edsd.cli import main
+from vllm_edsd.target import selection
 
 G = torch.Generator().manual_seed(0)
 
