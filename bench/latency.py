@@ -101,16 +101,18 @@ def read_records(path: Path) -> list[dict]:
 
 
 def run_locust(base: str, messages: list[list[dict]], arrivals: list[float], max_tokens: int, max_users: int,
-               workdir: Path, name: str) -> list[dict]:
+               workdir: Path, name: str, drain_s: float = DRAIN_S) -> list[dict]:
     """Send ``messages[i]`` at ``arrivals[i]`` (open loop) with locust in its own process; the
-    raw record of every request that ended (see the locustfile), in no particular order."""
+    raw record of every request that ended (see the locustfile), in no particular order.
+    ``drain_s``: how long the run may go on after the last arrival (an overloaded server has a
+    backlog to serve then)."""
     plan = {"arrivals_s": arrivals, "messages": messages, "max_tokens": max_tokens, "start_lead_s": START_LEAD_S,
             "request_timeout_s": DRAIN_S}
     plan_file, records_file, log_file = (workdir / f"{name}.{ext}" for ext in ("plan.json", "jsonl", "locust.log"))
     plan_file.write_text(json.dumps(plan))
     records_file.unlink(missing_ok=True)
     users = min(len(arrivals), max_users)
-    run_time = math.ceil(START_LEAD_S + 1 + arrivals[-1] + DRAIN_S)  # hard limit; normally the last request ends it
+    run_time = math.ceil(START_LEAD_S + 1 + arrivals[-1] + drain_s)  # hard limit; normally the last request ends it
     env = {**os.environ, "EDSD_BENCH_PLAN": str(plan_file), "EDSD_BENCH_RECORDS": str(records_file)}
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base,
            "-u", str(users), "-r", str(users), "--run-time", f"{run_time}s", "--only-summary",

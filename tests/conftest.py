@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.specforge_layout import write_specforge_checkpoint
+from support.specforge_layout import specforge_chains, write_specforge_checkpoint
 from support.toy import make_drafter, make_target, toy_corpus
 
 from vllm_edsd.checkpoint.config import LAYERNORM, RMSNORM
@@ -131,6 +131,35 @@ def assert_drafts_match(prompts: list[list[int]], phase: dict, chains_for, k: in
                 f"step at context length {context}"
             compared += 1
     return compared
+
+
+def reference_chains(target_dir: str, source: str, specforge: bool = False, k: int = 4):
+    """``chains_for(sequence)``: the reference model's draft chains after every prefix of a
+    sequence, the model loaded from ``source`` (for a SpecForge checkpoint, checked against
+    SpecForge's own forward too)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from vllm_edsd.model.edsd import EDSDDraftModel
+    from vllm_edsd.target.hidden_states import load_target, run_target
+
+    target = load_target(target_dir)
+    drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
+    layers = drafter.config.aux_layer_ids
+
+    def chains_for(sequence):
+        features = run_target(target, sequence, layers).features(layers)[:, :-1]
+        chains = drafter.propose(features, sequence[:, 1:], k)
+        if specforge:
+            checkpoint = {
+                n: t for f in sorted(Path(source).glob("model*.safetensors")) for n, t in load_file(f).items()
+            }
+            config = json.loads((Path(source) / "config.json").read_text())
+            embed = target.model.embed_tokens.weight
+            assert torch.equal(specforge_chains(checkpoint, config, embed, features, sequence[:, 1:], k), chains)
+        return chains[0]
+
+    return chains_for
 
 
 def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: int = 48, **extra) -> dict:
@@ -413,7 +442,7 @@ def abandon_streams(url: str, bodies: list[dict], chunks: int = 4) -> list[int]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA (``pytest -m gpu tests/engine`` on a GPU machine): skipped
+    """Tests marked ``gpu`` need CUDA (``bash scripts/test_gpu.sh`` on a GPU machine): skipped
     where torch sees no GPU."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:

@@ -4,9 +4,6 @@ TP=2), exact acceptance accounting, sampling, compilation, a second target archi
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import (
@@ -16,15 +13,12 @@ from conftest import (
     edited_copy,
     greedy_phase,
     predicted_counters,
+    reference_chains,
     serve_fitted,
     simulate_constant_drafter,
 )
-from safetensors.torch import load_file
-from support.specforge_layout import specforge_chains
 
 from vllm_edsd.checkpoint.config import RMSNORM, TOKEN_NORMS
-from vllm_edsd.model.edsd import EDSDDraftModel
-from vllm_edsd.target.hidden_states import load_target, run_target
 
 K = 4
 
@@ -43,29 +37,6 @@ def eager_run(models, engine_runs) -> dict:
         "phases": [greedy_phase(record_proposals=True)],
     }
     return engine_runs("llama-edsd-eager", job)
-
-
-def reference_chains(target_dir: str, source: str, specforge: bool = False):
-    """``chains_for(sequence)``: the reference model's draft chains after every prefix of a
-    sequence, the model loaded from ``source`` (for a SpecForge checkpoint, checked against
-    SpecForge's own forward too)."""
-    target = load_target(target_dir)
-    drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
-    layers = drafter.config.aux_layer_ids
-
-    def chains_for(sequence):
-        features = run_target(target, sequence, layers).features(layers)[:, :-1]
-        chains = drafter.propose(features, sequence[:, 1:], K)
-        if specforge:
-            checkpoint = {
-                n: t for f in sorted(Path(source).glob("model*.safetensors")) for n, t in load_file(f).items()
-            }
-            config = json.loads((Path(source) / "config.json").read_text())
-            embed = target.model.embed_tokens.weight
-            assert torch.equal(specforge_chains(checkpoint, config, embed, features, sequence[:, 1:], K), chains)
-        return chains[0]
-
-    return chains_for
 
 
 @pytest.mark.vllm_range
