@@ -7,6 +7,7 @@ DIR/report.md and PNG plots. ``--quick`` shrinks every suite to minutes on a CPU
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -14,10 +15,12 @@ import platform
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
 
-from .offline import TRAINING_FREE, VARIANTS, Setup, acceptance, drafter_method, robustness, throughput
+from .offline import OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
 from .report import plots, render
 
 SUITES = ("acceptance", "throughput", "latency", "robustness")
@@ -131,17 +134,20 @@ def batch_table_supported() -> bool:
     return "num_speculative_tokens_per_batch_size" in SpeculativeConfig.__dataclass_fields__
 
 
-def run_suite(setup: Setup, suite: str, args: argparse.Namespace) -> list[dict]:
-    if suite == "acceptance":
-        return acceptance(setup, (0.0, 1.0))
-    if suite == "throughput":
-        return throughput(setup)
-    if suite == "robustness":
-        return robustness(setup)
-    from .latency import latency
+def measurements(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace) -> list[tuple]:
+    """What to run, in order, as (label, suites it measures, callable returning rows): one
+    engine per (method, K) for all offline suites together, then the latency suite's servers."""
+    offline_suites = [s for s in suites if s in OFFLINE_SUITES]
+    steps = [(f"{method} K={k}" if method != "none" else "none", offline_suites,
+              functools.partial(offline, setup, method, k, offline_suites))
+             for method, k in setup.methods_with_k()] if offline_suites else []
+    if "latency" in suites:
+        from .latency import latency
 
-    rates = [float(q) for q in (args.qps or ("1" if args.quick else "0.5,1,2,4")).split(",")]
-    return latency(setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)
+        rates = [float(q) for q in (args.qps or ("1" if args.quick else "0.5,1,2,4")).split(",")]
+        steps.append(("latency", ["latency"], functools.partial(
+            latency, setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)))
+    return steps
 
 
 def write_results(out: Path, setup: Setup, args: argparse.Namespace, command: list[str], runs: list[dict],
@@ -165,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:  # before any suite runs: nothing is measured and then lost
             raise EDSDError(f"missing {', '.join(missing)}, which the bench needs: pip install 'vllm-edsd[bench]'")
         setup = build_setup(args)
+        steps = measurements(setup, suites, args)
+        if not steps:
+            raise EDSDError("nothing to measure: no method of --methods has a drafter")
     except EDSDError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
@@ -172,14 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     failed: dict[str, str] = {}
-    for suite in suites:
+    for label, measured, step in tqdm(steps, desc="bench", unit="engine"):
         try:
-            runs += run_suite(setup, suite, args)
-        except Exception as exc:  # an engine that fails to start or dies ends its suite, not the others
-            failed[suite] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-            print(f"bench: error: the {suite} suite failed ({failed[suite]}); the other suites go on", file=sys.stderr)
-        # After every suite, so that a later failure or an interrupt loses nothing measured.
-        results = write_results(out, setup, args, sys.argv[1:] if argv is None else argv, runs, failed)
+            runs += step()
+        except Exception as exc:  # an engine that fails to start or dies ends its own step, not the run
+            reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+            for suite in measured:
+                failed.setdefault(suite, f"{label}: {reason}")
+            print(f"bench: error: {label} failed ({reason}); the rest goes on", file=sys.stderr)
+        # After every step, so that a later failure or an interrupt loses nothing measured.
+        results = write_results(out, setup, args, sys.argv[1:] if argv is None else argv, with_derived(runs), failed)
     print(render(results))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and the plots")
     if failed:

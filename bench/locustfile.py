@@ -81,7 +81,9 @@ class ChatUser(HttpUser):
         RECORDS.write(json.dumps(record) + "\n")
         state["done"] += 1
         if state["done"] == len(PLAN["arrivals_s"]):
-            self.environment.runner.quit()
+            # From a greenlet of its own: quitting kills every user's greenlet, and killed from
+            # this one it would stop half-way, leaving locust to run until --run-time.
+            gevent.spawn(self.environment.runner.quit)
 
     def send(self, messages: list[dict], start: float) -> dict:
         """One streaming request; failures (HTTP status, exceptions, truncation) become the error."""

@@ -1,8 +1,8 @@
 """The offline suites (acceptance, throughput, robustness), through ``LLM.generate``.
 
-One engine per (method, K), reused by every category, temperature and batch size, and freed
-before the next one starts (two engines do not fit the CPU build's memory check). Every
-``speedup`` divides two throughputs measured in the same run.
+One engine per (method, K), shared by every offline suite, category, temperature and batch
+size, and freed before the next one starts (two engines do not fit the CPU build's memory
+check). Every ``speedup`` divides two throughputs measured in the same run.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import json
 import time
 from dataclasses import dataclass, field
 from importlib import resources
-
-from tqdm import tqdm
 
 from vllm_edsd.data import load_humaneval
 from vllm_edsd.launch.engine import engine_dtype, llm_session, spec_counters, speculative_config
@@ -127,61 +125,74 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
     }
 
 
-def with_speedup(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
-    """Add ``speedup`` = tokens/s over the no-speculation row with the same ``keys``."""
-    base = {tuple(r[k] for k in keys): r["output_tokens_per_s"] for r in rows if r["method"] == "none"}
-    for r in rows:
-        ref = base.get(tuple(r[k] for k in keys))
-        r["speedup"] = None if ref is None else r["output_tokens_per_s"] / ref
+OFFLINE_SUITES = ("acceptance", "throughput", "robustness")
+
+
+def acceptance(setup: Setup, method: str, k: int, llm) -> list[dict]:
+    """τ, per-position acceptance and tokens/s per category and temperature, batch size 1."""
+    rows = []
+    for temperature in (0.0, 1.0):
+        for category in CATEGORIES:
+            result = generate(llm, load_prompts(category, setup.prompts_per_category), temperature,
+                              setup.max_tokens, one_at_a_time=True)
+            rows.append({"suite": "acceptance", "method": method, "k": k, "category": category,
+                         "temperature": temperature, "batch_size": 1, **result})
     return rows
 
 
-def acceptance(setup: Setup, temperatures: tuple[float, ...] = (0.0, 1.0)) -> list[dict]:
-    """τ, per-position acceptance and speed-up per category, K and temperature, batch size 1."""
-    rows = []
-    for method, k in tqdm(setup.methods_with_k(), desc="acceptance", unit="engine"):
-        with engine(setup, method, k) as llm:
-            for temperature in temperatures:
-                for category in CATEGORIES:
-                    result = generate(llm, load_prompts(category, setup.prompts_per_category), temperature,
-                                      setup.max_tokens, one_at_a_time=True)
-                    rows.append({"suite": "acceptance", "method": method, "k": k, "category": category,
-                                 "temperature": temperature, "batch_size": 1, **result})
-    return with_speedup(rows, ("category", "temperature"))
-
-
-def throughput(setup: Setup) -> list[dict]:
-    """Output tokens/s and speed-up at each batch size and temperature (chain drafting)."""
+def throughput(setup: Setup, method: str, k: int, llm) -> list[dict]:
+    """Output tokens/s at each batch size and temperature (chain drafting)."""
     pool = [c for cat in CATEGORIES for c in load_prompts(cat, setup.prompts_per_category)]
+    generate(llm, pool[:1], 0.0, 8, one_at_a_time=False)  # warm-up
     rows = []
-    for method, k in tqdm(setup.methods_with_k(), desc="throughput", unit="engine"):
-        with engine(setup, method, k) as llm:
-            generate(llm, pool[:1], 0.0, 8, one_at_a_time=False)  # warm-up
-            for temperature in setup.temperatures:
-                for batch in setup.batch_sizes:
-                    prompts = [pool[i % len(pool)] for i in range(batch)]
-                    result = generate(llm, prompts, temperature, setup.max_tokens, one_at_a_time=False)
-                    rows.append({"suite": "throughput", "method": method, "k": k, "batch_size": batch,
-                                 "temperature": temperature, **result})
-    return with_speedup(rows, ("batch_size", "temperature"))
+    for temperature in setup.temperatures:
+        for batch in setup.batch_sizes:
+            prompts = [pool[i % len(pool)] for i in range(batch)]
+            result = generate(llm, prompts, temperature, setup.max_tokens, one_at_a_time=False)
+            rows.append({"suite": "throughput", "method": method, "k": k, "batch_size": batch,
+                         "temperature": temperature, **result})
+    return rows
 
 
-def robustness(setup: Setup) -> list[dict]:
-    """τ on the chat prompts under each of the paper's ten system prompts vs none."""
+def robustness(setup: Setup, method: str, k: int, llm) -> list[dict]:
+    """τ on the chat prompts under each of the paper's ten system prompts vs none (nothing
+    without speculation: there is no τ)."""
+    if method == "none":
+        return []
     chats = load_prompts("chat", setup.prompts_per_category)
     variants = [("default", None)] + [(f"system-{i}", s) for i, s in enumerate(system_prompts())]
     rows = []
-    for method, k in tqdm([p for p in setup.methods_with_k() if p[0] != "none"], desc="robustness", unit="engine"):
-        with engine(setup, method, k) as llm:
-            for name, system in variants:
-                convs = chats if system is None else [[{"role": "system", "content": system}, *c] for c in chats]
-                result = generate(llm, convs, 0.0, setup.max_tokens, one_at_a_time=False)
-                rows.append({"suite": "robustness", "method": method, "k": k, "system_prompt": name,
-                             "temperature": 0.0, **result})
-        default = next(
-            r["tau"] for r in rows if r["method"] == method and r["k"] == k and r["system_prompt"] == "default"
-        )
-        for r in rows:
-            if r["method"] == method and r["k"] == k:
-                r["tau_drop"] = None if not default or r["tau"] is None else (r["tau"] - default) / default
+    for name, system in variants:
+        convs = chats if system is None else [[{"role": "system", "content": system}, *c] for c in chats]
+        result = generate(llm, convs, 0.0, setup.max_tokens, one_at_a_time=False)
+        rows.append({"suite": "robustness", "method": method, "k": k, "system_prompt": name, "temperature": 0.0,
+                     **result})
     return rows
+
+
+MEASURE = {"acceptance": acceptance, "throughput": throughput, "robustness": robustness}
+
+
+def offline(setup: Setup, method: str, k: int, suites: list[str]) -> list[dict]:
+    """The rows of every offline suite in ``suites`` for (method, K), all from one engine: an
+    engine start costs more than most suites' measurements on a CPU."""
+    with engine(setup, method, k) as llm:
+        return [row for suite in suites for row in MEASURE[suite](setup, method, k, llm)]
+
+
+def with_derived(runs: list[dict]) -> list[dict]:
+    """``runs`` with each row's figures relative to others of the same run: ``speedup`` over
+    the no-speculation row (acceptance: same category and temperature; throughput: same batch
+    size and temperature) and robustness's ``tau_drop`` against no system prompt."""
+    for suite, keys in (("acceptance", ("category", "temperature")), ("throughput", ("batch_size", "temperature"))):
+        rows = [r for r in runs if r["suite"] == suite]
+        base = {tuple(r[key] for key in keys): r["output_tokens_per_s"] for r in rows if r["method"] == "none"}
+        for r in rows:
+            ref = base.get(tuple(r[key] for key in keys))
+            r["speedup"] = None if ref is None else r["output_tokens_per_s"] / ref
+    robust = [r for r in runs if r["suite"] == "robustness"]
+    default = {(r["method"], r["k"]): r["tau"] for r in robust if r["system_prompt"] == "default"}
+    for r in robust:
+        tau = default.get((r["method"], r["k"]))
+        r["tau_drop"] = None if not tau or r["tau"] is None else (r["tau"] - tau) / tau
+    return runs

@@ -110,6 +110,8 @@ def test_soak_at_and_above_saturation(edsd_server, chats, without_speculation, t
                          MAX_USERS, tmp_path, "burst")
     assert aggregate(records, burst)["failures"] == 0
     assert_lossless(records, chats, without_speculation)
+    # The last request to end stops locust; it must not wait out its time limit.
+    assert "--run-time limit reached" not in (tmp_path / "burst.locust.log").read_text()
     busy_s = max(r["start_s"] + r["e2e_s"] for r in records) - min(r["start_s"] for r in records)
     saturation_qps = burst / busy_s
     report = {"saturation_qps": round(saturation_qps, 2), "rss_mib": {"warm": rss_mib(marker)}}

@@ -10,14 +10,23 @@ import numpy as np
 import pytest
 
 from bench.latency import NOT_COMPLETED, aggregate, poisson_schedule, summary
-from bench.offline import with_speedup
+from bench.offline import with_derived
 
 
-def test_speedup_helper():
-    rows = [{"method": "none", "batch_size": 1, "output_tokens_per_s": 10.0},
-            {"method": "edsd", "batch_size": 1, "output_tokens_per_s": 15.0},
-            {"method": "edsd", "batch_size": 2, "output_tokens_per_s": 15.0}]
-    assert [r["speedup"] for r in with_speedup(rows, ("batch_size",))] == [1.0, 1.5, None]
+def test_relative_figures_come_from_rows_of_the_same_kind():
+    """Speed-ups divide by the no-speculation row of the same suite, batch size and temperature
+    (a row without one gets None); τ drops compare with the same method's default system prompt."""
+    def row(suite, method, tps, batch=1, temperature=0.0, **extra):
+        return {"suite": suite, "method": method, "k": 4, "batch_size": batch, "temperature": temperature,
+                "category": "chat", "output_tokens_per_s": tps, **extra}
+
+    runs = with_derived([row("throughput", "none", 10.0), row("throughput", "edsd", 15.0),
+                         row("throughput", "edsd", 15.0, batch=2), row("throughput", "edsd", 5.0, temperature=1.0),
+                         row("acceptance", "none", 20.0), row("acceptance", "edsd", 15.0),
+                         row("robustness", "edsd", 1.0, system_prompt="default", tau=2.0),
+                         row("robustness", "edsd", 1.0, system_prompt="system-0", tau=1.5)])
+    assert [r.get("speedup") for r in runs] == [1.0, 1.5, None, None, 1.0, 0.75, None, None]
+    assert [r["tau_drop"] for r in runs[6:]] == [0.0, -0.25]
 
 
 def test_poisson_schedule_is_seeded_and_has_exponential_gaps():
