@@ -182,9 +182,12 @@ SMALL_CACHE = {"block_size": 32, "num_gpu_blocks_override": 10, "max_model_len":
 SERVER_ARGS = ["--served-model-name", "toy", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
 
 
-def serve_fitted(trained: dict, engine_runs, key: str, spec: dict | None, eager: bool = True) -> dict:
-    """The greedy phase of an engine on the fitted target and ``trained["prompts"]``."""
-    job = {"target": trained["target"], "speculative_config": spec,
+def serve_fitted(trained: dict, engine_runs, key: str, spec: dict | None, eager: bool = True,
+                 model: str | None = None) -> dict:
+    """The greedy phase of an engine on the fitted target and ``trained["prompts"]``. ``model``
+    is what vLLM is given instead of the target: a drafter directory served alone, which names
+    the target itself (docs/formats.md, "Speculators format")."""
+    job = {"target": model or trained["target"], "speculative_config": spec,
            "llm_kwargs": {"enforce_eager": eager, "dtype": "float32"},
            "phases": [greedy_phase(prompts=trained["prompts"], max_tokens=FITTED_TOKENS)]}
     return engine_runs(key, job)["phases"]["greedy"]
@@ -303,6 +306,7 @@ def trained(fitted_target, tmp_path_factory) -> dict:
     chats = [[{"role": "user", "content": l}] for l in lines[24:]]
     prompts = [render_conversation(tokenizer, chat, generation_prompt=True)[0] for chat in chats[:8]]
     return {"target": target, "edsd": str(root / "edsd-vllm"), "edsd-folded": str(root / "edsd-folded"),
+            "edsd-training": str(root / "edsd" / "final"),
             "eagle3": str(root / "eagle3" / "final"), "untrained": str(root / "untrained"),
             "prompts": prompts, "chats": chats}
 

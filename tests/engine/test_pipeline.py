@@ -10,6 +10,12 @@ from support.toy import toy_corpus
 K = 3
 
 
+def explicit_edsd(trained: dict, engine_runs) -> dict:
+    """The trained EDSD drafter requested explicitly, ``"method": "edsd"``, on the fitted target."""
+    return serve_fitted(trained, engine_runs, "pipeline-edsd",
+                        {"method": "edsd", "model": trained["edsd"], "num_speculative_tokens": K})
+
+
 def test_trained_drafters_serve_losslessly_and_beat_untrained(models, engine_runs, trained):
     plain = serve_fitted(trained, engine_runs, "pipeline-none", None)
     runs = {
@@ -34,9 +40,24 @@ def test_offline_prediction_matches_vllm(models, engine_runs, trained):
     """The reference model replaying the greedy loop predicts vLLM's counters. Tolerance:
     2% of the drafts per position, for argmax near-ties that float32 rounding can flip
     between the reference and vLLM's kernels (the parity test shows chains agree exactly)."""
-    run = serve_fitted(trained, engine_runs, "pipeline-edsd",
-                       {"method": "edsd", "model": trained["edsd"], "num_speculative_tokens": K})
+    run = explicit_edsd(trained, engine_runs)
     assert_counters_match(predicted_counters(trained, run["outputs"], K), run["counters"])
+
+
+def test_drafter_directory_served_alone_is_the_explicit_request(engine_runs, trained, tmp_path_factory):
+    """``LLM(model=DRAFTER_DIR)``, no speculative config: vLLM reads the target and
+    ``"method": "edsd"`` from the drafter's speculators block (docs/formats.md) and serves what
+    the explicit request serves, token for token and draft for draft."""
+    from vllm_edsd.cli import main
+
+    alone = tmp_path_factory.mktemp("served-alone") / "edsd"
+    assert main(["convert", trained["edsd-training"], str(alone), "--target", trained["target"],
+                 "--num-speculative-tokens", str(K)]) == 0
+    explicit = explicit_edsd(trained, engine_runs)
+    run = serve_fitted(trained, engine_runs, "pipeline-edsd-alone", None, model=str(alone))
+    assert run["outputs"] == explicit["outputs"]
+    assert run["counters"] == explicit["counters"] and run["counters"]["drafts"] > 0
+    assert run["counters"]["draft_tokens"] == K * run["counters"]["drafts"]
 
 
 def test_regeneration_cache_is_keyed_by_its_inputs(trained, tmp_path):

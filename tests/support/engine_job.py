@@ -1,7 +1,8 @@
 """Run one real vLLM engine in a fresh process and report what it did, as JSON.
 
 Engine tests describe a job (target, speculative config, engine options, and phases of
-prompts + sampling parameters); this script builds the engine once, runs the phases in
+prompts + sampling parameters; the target may be a drafter directory served alone, with no
+speculative config: docs/formats.md, "Speculators format"); this script builds the engine once, runs the phases in
 order and writes token ids, vLLM's spec-decode counters and preemptions per phase and, on request, the
 draft tokens the drafter proposed (read out of the worker with ``collective_rpc``).
 A separate process per engine keeps engines from sharing memory or state between tests

@@ -41,6 +41,7 @@ def test_every_replacement_is_logged_once():
     assert applied["vllm.engine.arg_utils.EngineArgs.create_engine_config"]
     for name, is_applied in applied.items():
         assert log.count(f"vllm-edsd: replaced {name} ") == int(is_applied), name
+    assert log.count("vllm-edsd: registered the speculators model type 'edsd'") == 1
     # On CPU exactly one of the two kernel-installation hooks applies, whatever the vLLM.
     assert (
         sum(applied[n] for n in applied if n.endswith(("register_triton_kernel_overrides", "_postprocess_triton"))) == 1

@@ -35,6 +35,13 @@ TOKEN_NORMS = (RMSNORM, LAYERNORM)
 # A config written before the field existed had the LayerNorm.
 LEGACY_TOKEN_NORM = LAYERNORM
 
+# The speculators format (docs/formats.md, "Speculators format"): vLLM takes a drafter
+# directory's ``speculators_model_type`` as the speculative method, so it is the plugin's method.
+SPECULATORS_MODEL_TYPE = "edsd"
+DEFAULT_SPECULATIVE_TOKENS = 4
+MAX_SPECULATIVE_TOKENS = 16  # a one-layer drafter's acceptance is spent long before
+PROPOSAL_TYPE = "greedy"  # the speculators name of vLLM's chain drafting
+
 
 @dataclass(frozen=True)
 class TargetFingerprint:
@@ -79,6 +86,65 @@ class TargetFingerprint:
                    num_hidden_layers=size("num_hidden_layers", required=False), model_type=model_type)
 
 
+def check_speculative_tokens(k: Any, what: str) -> int:
+    """The draft length K a drafter directory proposes: 1..MAX_SPECULATIVE_TOKENS."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise EDSDError(f"{what} must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r:.40}")
+    return k
+
+
+@dataclass(frozen=True)
+class Speculators:
+    """What vLLM needs to serve a drafter directory alone (``vllm serve DRAFTER_DIR``): the target
+    it loads, which the speculators format calls the *verifier*, and the draft length K
+    (docs/formats.md, "Speculators format")."""
+
+    verifier: str
+    num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
+    verifier_architectures: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, raw: dict, source: str) -> Speculators | None:
+        """The block of a config.json, None where it has none; a malformed one is refused by name."""
+        if "speculators_config" not in raw and "speculators_model_type" not in raw:
+            return None
+        kind = raw.get("speculators_model_type")
+        if kind != SPECULATORS_MODEL_TYPE:
+            raise EDSDError(f"{source}: field 'speculators_model_type' must be {SPECULATORS_MODEL_TYPE!r} for an "
+                            f"EDSD drafter, got {kind!r:.80}")
+        try:
+            block = raw["speculators_config"]
+            k, verifier = block["proposal_methods"][0]["speculative_tokens"], block["verifier"]
+            name, architectures = verifier["name_or_path"], verifier.get("architectures") or []
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise EDSDError(f"{source}: field 'speculators_config' must hold proposal_methods[0].speculative_tokens "
+                            "and verifier.name_or_path (docs/formats.md)") from None
+        if not isinstance(name, str) or not name:
+            raise EDSDError(f"{source}: field 'speculators_config.verifier.name_or_path' must name the target "
+                            f"model (a directory or a hub id), got {name!r:.80}")
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise EDSDError(f"{source}: field 'speculators_config.verifier.architectures' must list names, "
+                            f"got {architectures!r:.80}")
+        if not isinstance(raw.get("transformer_layer_config"), dict):
+            raise EDSDError(f"{source}: field 'transformer_layer_config' must be an object (vLLM requires it)")
+        k = check_speculative_tokens(k, f"{source}: field 'speculators_config.proposal_methods[0].speculative_tokens'")
+        return cls(verifier=name, num_speculative_tokens=k, verifier_architectures=tuple(architectures))
+
+    def to_dict(self, layer_fields: dict) -> dict:
+        """The speculators fields of config.json around the draft layer's Llama fields."""
+        proposal = {"proposal_type": PROPOSAL_TYPE, "speculative_tokens": self.num_speculative_tokens}
+        return {
+            "speculators_model_type": SPECULATORS_MODEL_TYPE,
+            "speculators_config": {
+                "algorithm": SPECULATORS_MODEL_TYPE,
+                "proposal_methods": [proposal],
+                "default_proposal_method": PROPOSAL_TYPE,
+                "verifier": {"name_or_path": self.verifier, "architectures": list(self.verifier_architectures)},
+            },
+            "transformer_layer_config": layer_fields,
+        }
+
+
 @dataclass(frozen=True)
 class EDSDConfig:
     """Hyper-parameters of an EDSD drafter, aux layer ids always in vLLM's convention."""
@@ -104,6 +170,8 @@ class EDSDConfig:
     target: TargetFingerprint | None = None
     # Provenance, written by the converter into the vLLM layout.
     metadata: dict = field(default_factory=dict)
+    # The vLLM layout's speculators block, where the converter knew the verifier.
+    speculators: Speculators | None = None
 
     # ---------------------------------------------------------------- parsing
     @classmethod
@@ -229,6 +297,7 @@ class EDSDConfig:
             torch_dtype=dtype,
             target=TargetFingerprint.from_dict(edsd.get("target"), f"{source}: field 'edsd_config.target'"),
             metadata={k: v for k, v in edsd.items() if k in ("converter", "source")},
+            speculators=Speculators.from_config(raw, source),
         )
 
     @classmethod
@@ -326,15 +395,19 @@ class EDSDConfig:
         }
 
     def to_vllm_dict(self, architecture: str) -> dict:
-        """config.json of the vLLM layout (docs/formats.md)."""
+        """config.json of the vLLM layout (docs/formats.md), with the speculators block where
+        the verifier is known."""
         ids = list(self.aux_layer_ids)
-        return {
+        out = {
             "architectures": [architecture],
             **self.llama_fields(),
             "eagle_aux_hidden_state_layer_ids": ids,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
             "edsd_config": self._edsd_block(LAYER_INPUT),
         }
+        if self.speculators is not None:
+            out.update(self.speculators.to_dict(self.llama_fields()))
+        return out
 
     def with_updates(self, **changes: Any) -> EDSDConfig:
         return replace(self, **changes)

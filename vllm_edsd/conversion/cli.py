@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_edsd.checkpoint.config import LAYER_ID_CONVENTIONS, SUPPORTED_DTYPES
+from vllm_edsd.checkpoint.config import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    LAYER_ID_CONVENTIONS,
+    MAX_SPECULATIVE_TOKENS,
+    SUPPORTED_DTYPES,
+)
 
 from .converter import convert
 
@@ -19,11 +24,14 @@ tensor names:
 Weights: model.safetensors, sharded safetensors with model.safetensors.index.json, or a
 legacy pytorch_model.bin (read without unpickling code). DST is written atomically: a
 failed conversion leaves nothing behind.
+DST's config.json is also in the speculators format when the target is known (--verifier, or
+--target): `vllm serve DST` then loads that target and drafts with DST (docs/formats.md).
 
 examples:
   edsd convert runs/edsd/final drafters/edsd-llama
   edsd convert outputs/qwen3-8b-edsd drafters/qwen3-edsd --target /models/Qwen3-8B --dtype bfloat16
   edsd convert ckpt out --target /models/Llama-3.1-8B-Instruct --fold-token-norm
+  edsd convert ckpt out --target /models/Llama-3.1-8B-Instruct --verifier meta-llama/Llama-3.1-8B-Instruct
 """
 
 
@@ -46,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-id-convention", choices=LAYER_ID_CONVENTIONS,
                         help="how SRC numbers its aux layers, overriding what its layout says: layer_input = "
                              "vLLM/EAGLE, layer_output = SpecForge (output of layer i = vLLM id i+1)")
+    parser.add_argument("--verifier", metavar="NAME_OR_PATH",
+                        help="the target vLLM loads when DST is served alone (`vllm serve DST`): a directory or "
+                             "a model hub id (default: --target, made absolute; without either DST is served "
+                             "only with --speculative-config)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, metavar="K",
+                        help=f"draft length K when DST is served alone, 1..{MAX_SPECULATIVE_TOKENS} "
+                             f"(default: {DEFAULT_SPECULATIVE_TOKENS})")
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
 
 
@@ -59,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
     summary = convert(
         args.src, args.dst, dtype=args.dtype, target=args.target, fold_token_norm=args.fold_token_norm,
-        layer_id_convention=args.layer_id_convention, force=args.force, progress=progress,
+        layer_id_convention=args.layer_id_convention, verifier=args.verifier,
+        num_speculative_tokens=args.num_speculative_tokens, force=args.force, progress=progress,
     )
     print(summary.render())
     return 0

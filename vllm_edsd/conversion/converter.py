@@ -12,6 +12,7 @@ appears at ``dst`` only when it is complete. Only the drafter's weight files are
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,10 +21,13 @@ from pathlib import Path
 import torch
 
 from vllm_edsd.checkpoint.config import (
+    DEFAULT_SPECULATIVE_TOKENS,
     LAYER_ID_CONVENTIONS,
     SUPPORTED_DTYPES,
     EDSDConfig,
+    Speculators,
     TargetFingerprint,
+    check_speculative_tokens,
     read_config_json,
 )
 from vllm_edsd.checkpoint.files import (
@@ -68,6 +72,15 @@ class Summary:
     folded: bool
     embedding: str
     target: TargetFingerprint | None
+    num_speculative_tokens: int
+    speculators: Speculators | None
+
+    def _served_alone(self) -> str:
+        """``vllm serve DST`` when config.json names the verifier, else how to make it so."""
+        if self.speculators is None:
+            return ("not set up: the verifier (the target vLLM loads for it) is unknown; convert again with "
+                    "--verifier NAME_OR_PATH or --target DIR to write the speculators block (docs/formats.md)")
+        return f"vllm serve {self.dst}  (loads the verifier {self.speculators.verifier}; speculators format)"
 
     def render(self) -> str:
         target = "not checked (pass --target)" if self.target is None else (
@@ -77,6 +90,7 @@ class Summary:
         norm = f"{self.token_norm}, " + (
             "folded into a draft-owned embedding table" if self.folded else "kept; embedding shared with the target"
         )
+        spec = {"method": "edsd", "model": self.dst, "num_speculative_tokens": self.num_speculative_tokens}
         return "\n".join(
             [
                 f"converted   {self.src} ({self.layout})",
@@ -88,8 +102,8 @@ class Summary:
                 f"token norm  {norm}",
                 f"embedding   {self.embedding}",
                 f"target      {target}",
-                "serve with  --speculative-config "
-                + json.dumps({"method": "edsd", "model": self.dst, "num_speculative_tokens": 4}),
+                f"serve with  --speculative-config {json.dumps(spec)}",
+                f"or alone    {self._served_alone()}",
             ]
         )
 
@@ -109,8 +123,7 @@ def resolve_source(src: Path) -> Path:
     return max(saves)[1]
 
 
-def _target_fingerprint(target: str | Path) -> TargetFingerprint:
-    raw = read_config_json(target)
+def _target_fingerprint(raw: dict, target: str | Path) -> TargetFingerprint:
     text = raw.get("text_config") or raw
     try:
         return TargetFingerprint.from_hf_config(text)
@@ -194,6 +207,22 @@ def provenance(path: Path) -> str:
     return "/".join(path.resolve().parts[-2:])
 
 
+def _speculators(verifier: str | None, target: str | Path | None, target_raw: dict | None,
+                 k: int) -> Speculators | None:
+    """The speculators block (docs/formats.md): the verifier named, else the ``--target``
+    directory; none without either. A local directory is recorded absolute, since vLLM resolves
+    it from the server's working directory. The verifier's architectures are the target's."""
+    name = verifier if verifier is not None else (None if target is None else str(target))
+    if name is None:
+        return None
+    if os.path.isdir(name):
+        name = os.path.abspath(name)
+    architectures = (target_raw or {}).get("architectures")
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        architectures = []
+    return Speculators(verifier=name, num_speculative_tokens=k, verifier_architectures=tuple(architectures))
+
+
 def _source_layout(src: Path, raw: dict, shapes: dict) -> Layout:
     layout = detect_layout(raw, shapes, source=f"{src}/config.json")
     if layout is EDSD_VLLM:
@@ -211,10 +240,15 @@ def convert(
     target: str | Path | None = None,
     fold_token_norm: bool = False,
     layer_id_convention: str | None = None,
+    verifier: str | None = None,
+    num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
     force: bool = False,
     progress: Callable[[Iterable, int], Iterable] | None = None,
 ) -> Summary:
-    """Convert ``src`` (this project's training layout or SpecForge's) into ``dst`` (vLLM layout)."""
+    """Convert ``src`` (this project's training layout or SpecForge's) into ``dst`` (vLLM layout).
+
+    ``verifier`` (default: ``target``) and ``num_speculative_tokens`` make ``dst`` servable
+    alone, ``vllm serve DST`` (docs/formats.md, "Speculators format")."""
     src, dst = resolve_source(Path(src)), Path(dst)
     source = str(src)
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
@@ -223,6 +257,9 @@ def convert(
         raise EDSDError(f"--layer-id-convention {layer_id_convention!r}: choose from {', '.join(LAYER_ID_CONVENTIONS)}")
     if fold_token_norm and target is None:
         raise EDSDError("--fold-token-norm needs --target: the folded table is built from the target's embedding")
+    check_speculative_tokens(num_speculative_tokens, "--num-speculative-tokens")
+    if verifier is not None and not verifier.strip():
+        raise EDSDError("--verifier: give the target model's directory or model hub id")
     _check_destination(dst, force)
     raw = read_config_json(src)
     shapes = tensor_shapes(src)
@@ -235,9 +272,10 @@ def convert(
     source_ids = list(translated["edsd_config"]["aux_layer_ids"])
 
     check_tensors(cfg, shapes, layout, source=source)
-    fingerprint = None
+    fingerprint, target_raw = None, None
     if target is not None:
-        fingerprint = _target_fingerprint(target)
+        target_raw = read_config_json(target)
+        fingerprint = _target_fingerprint(target_raw, target)
         cfg.check_target(fingerprint, drafter=source)
         cfg = cfg.with_updates(target=fingerprint)
     out_dtype = dtype or cfg.torch_dtype
@@ -277,6 +315,7 @@ def convert(
 
     cfg = cfg.with_updates(
         torch_dtype=out_dtype,
+        speculators=_speculators(verifier, target, target_raw, num_speculative_tokens),
         metadata={
             "converter": {"name": CONVERTER_NAME, "version": __version__},
             "source": {
@@ -296,4 +335,5 @@ def convert(
         vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
         source_layer_ids=source_ids, source_convention=convention, vllm_layer_ids=list(cfg.aux_layer_ids),
         token_norm=cfg.token_norm, folded=cfg.token_norm_folded, embedding=embedding, target=fingerprint,
+        num_speculative_tokens=num_speculative_tokens, speculators=cfg.speculators,
     )

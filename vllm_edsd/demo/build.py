@@ -32,7 +32,7 @@ from vllm_edsd.checkpoint.files import finished_checkpoint, replace_file
 from vllm_edsd.errors import EDSDError
 
 from . import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, measure_acceptance
-from .target import demo_target
+from .target import HUB_ID, demo_target
 
 CHAT_PROMPTS, CODE_PROMPTS = 480, 240  # the shipped drafters' data (with the seed 0)
 PROMPT_CHARS = 600  # prompts are cut: training cost grows with every token of context
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     converted = work / "edsd-vllm"
     if not finished_checkpoint(converted):
         _edsd(["convert", str(work / "edsd" / "final"), str(converted), "--target", str(target),
-               "--dtype", "float16", "--force"])
+               "--verifier", HUB_ID, "--dtype", "float16", "--force"])
     if args.stop_after == "convert":
         return 0
     if args.ship:

