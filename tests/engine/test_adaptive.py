@@ -151,7 +151,8 @@ def test_uncertain_drafter_drafts_nothing_and_confident_drafts_k(trained, engine
 
 
 def test_server_with_two_data_parallel_engines(trained, max_entropy, plain_outputs, tmp_path):
-    """The JSON config on the server's command line reaches both engine cores (each drafts),
+    """Data parallelism with EDSD (the static path is the same engines without the cut):
+    the JSON config on the server's command line reaches both engine cores (each drafts),
     the ranks stay in step while their requests stop drafting at different steps, and the
     counters of both together are the reference's replay of the cut chains; streams abandoned
     mid-way leave the engines serving the same output."""

@@ -17,7 +17,6 @@ from conftest import (
     SERVER_ARGS,
     assert_counters_match,
     completion_token_ids,
-    drafting_engines,
     predicted_counters,
     processes_with,
     serve_fitted,
@@ -79,19 +78,6 @@ def test_chat_completions(server):
                 delta = json.loads(line[6:])["choices"][0]["delta"]
                 pieces.append(delta.get("content") or "")
     assert "".join(pieces) == text
-
-
-def test_data_parallel_2(trained, engine_runs, tmp_path):
-    """Two engine cores behind one server (``--data-parallel-size 2``), each drafting, the
-    counters of both together what the reference predicts."""
-    spec = {"method": "edsd", "model": trained["edsd-folded"], "num_speculative_tokens": K}
-    with running_server(trained["target"], spec, extra_args=[*SERVER_ARGS, "--data-parallel-size", "2"],
-                        log_path=tmp_path / "dp.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
-        outputs = completion_token_ids(base, trained["prompts"])
-        metrics = requests.get(f"{base}/metrics", timeout=10).text
-    assert outputs == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
-    assert drafting_engines(metrics) == {"0", "1"}
-    assert_counters_match(predicted_counters(trained, outputs, K), parse_prometheus_counters(metrics).as_dict())
 
 
 def _interrupt_when_logged(log: Path, text: str, done: threading.Event) -> None:
