@@ -171,7 +171,8 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
         ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance per position (T=0)")
         ax.legend()
         save(fig, "acceptance_per_position.png")
-    thr = [r for r in runs if r["suite"] == "throughput" and r["method"] != "none"]
+    # Speed-ups exist where the run measured without speculation at the same batch size and T.
+    thr = [r for r in runs if r["suite"] == "throughput" and r["method"] != "none" and r.get("speedup") is not None]
     temperatures = sorted({r["temperature"] for r in thr})
     if thr:
         fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 3.5), squeeze=False)

@@ -77,3 +77,16 @@ def test_missing_optional_dependency_is_one_line_before_any_work(tmp_path, suite
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"missing {package}" in proc.stderr and "pip install 'vllm-edsd[bench]'" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_plots_skip_speedups_without_a_baseline(tmp_path):
+    """A run without "none" has no speed-ups to plot (its log-scaled axis would have no data):
+    the plots are made from what there is, and nothing fails."""
+    from bench.report import plots
+
+    rows = [{"suite": "throughput", "method": "edsd", "k": 4, "batch_size": b, "temperature": 0.0,
+             "output_tokens_per_s": 10.0 * b} for b in (1, 8)]
+    assert plots({"runs": with_derived(rows)}, tmp_path) == []
+    rows.append({"suite": "throughput", "method": "none", "k": 0, "batch_size": 1, "temperature": 0.0,
+                 "output_tokens_per_s": 5.0})
+    assert [p.name for p in plots({"runs": with_derived(rows)}, tmp_path)] == ["speedup_vs_batch.png"]
