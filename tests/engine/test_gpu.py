@@ -10,6 +10,7 @@ from conftest import (
     PROMPTS,
     assert_counters_match,
     assert_drafts_match,
+    edsd_spec,
     greedy_phase,
     predicted_counters,
     reference_chains,
@@ -28,17 +29,13 @@ def job(target: str, spec: dict | None, phases: list[dict], eager: bool) -> dict
             "phases": phases}
 
 
-def edsd(model: str, **extra) -> dict:
-    return {"method": "edsd", "model": model, "num_speculative_tokens": K, **extra}
-
-
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_cuda_graphs_serve_losslessly_at_the_predicted_acceptance(trained, engine_runs, runner):
     """The trained drafter with CUDA graphs (not eager): the target's own greedy output, and
     vLLM's counters are what the reference model predicts."""
     phases = [greedy_phase(prompts=trained["prompts"], max_tokens=40)]
     plain = engine_runs("gpu-fitted-none", job(trained["target"], None, phases, eager=True))
-    run = engine_runs(f"gpu-fitted-edsd-graphs-{runner}", job(trained["target"], edsd(trained["edsd"]), phases,
+    run = engine_runs(f"gpu-fitted-edsd-graphs-{runner}", job(trained["target"], edsd_spec(trained["edsd"]), phases,
                                                               eager=False), env=RUNNERS[runner])
     outputs = run["phases"]["greedy"]["outputs"]
     assert outputs == plain["phases"]["greedy"]["outputs"]
@@ -49,7 +46,7 @@ def test_cuda_graphs_serve_losslessly_at_the_predicted_acceptance(trained, engin
 def test_drafts_match_reference_model(models, engine_runs, runner):
     """Every chain the GPU drafter proposes (first and fed-back steps) is the reference model's."""
     phases = [greedy_phase(record_proposals=True)]
-    run = engine_runs(f"gpu-llama-edsd-{runner}", job(models["llama"], edsd(models["llama-edsd"]), phases,
+    run = engine_runs(f"gpu-llama-edsd-{runner}", job(models["llama"], edsd_spec(models["llama-edsd"]), phases,
                                                       eager=True), env=RUNNERS[runner])
     phase = run["phases"]["greedy"]
     chains_for = reference_chains(models["llama"], models["llama-edsd-training"])

@@ -4,7 +4,7 @@ output stays lossless, and the acceptance predicted offline equals vLLM's counte
 
 from __future__ import annotations
 
-from conftest import assert_counters_match, predicted_counters, serve_fitted
+from conftest import assert_counters_match, edsd_spec, predicted_counters, serve_fitted
 from support.toy import toy_corpus
 
 K = 3
@@ -13,7 +13,7 @@ K = 3
 def explicit_edsd(trained: dict, engine_runs) -> dict:
     """The trained EDSD drafter requested explicitly, ``"method": "edsd"``, on the fitted target."""
     return serve_fitted(trained, engine_runs, "pipeline-edsd",
-                        {"method": "edsd", "model": trained["edsd"], "num_speculative_tokens": K})
+                        edsd_spec(trained["edsd"], K))
 
 
 def test_trained_drafters_serve_losslessly_and_beat_untrained(models, engine_runs, trained):

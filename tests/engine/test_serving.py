@@ -11,6 +11,7 @@ from conftest import (
     assert_counters_match,
     assert_drafts_match,
     edited_copy,
+    edsd_spec,
     greedy_phase,
     predicted_counters,
     reference_chains,
@@ -23,15 +24,11 @@ from vllm_edsd.checkpoint.config import LAYERNORM, RMSNORM, TOKEN_NORMS
 K = 4
 
 
-def edsd(model: str, **extra) -> dict:
-    return {"method": "edsd", "model": model, "num_speculative_tokens": K, **extra}
-
-
 @pytest.fixture(scope="module")
 def eager_run(models, engine_runs) -> dict:
     job = {
         "target": models["llama"],
-        "speculative_config": edsd(models["llama-edsd"]),
+        "speculative_config": edsd_spec(models["llama-edsd"]),
         # float32 like the reference (vLLM on CPU would otherwise pick bfloat16).
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
         "phases": [greedy_phase(record_proposals=True)],
@@ -61,7 +58,7 @@ def test_drafter_with_rope_cache_and_kv_scales_serves_the_same(models, engine_ru
     }
     drafter = edited_copy(models["llama-edsd"], tmp_path_factory.mktemp("side-tensors") / "drafter",
                           edit_tensors=lambda t: t.update(side))
-    job = {"target": models["llama"], "speculative_config": edsd(str(drafter)),
+    job = {"target": models["llama"], "speculative_config": edsd_spec(str(drafter)),
            "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": [greedy_phase(record_proposals=True)]}
     assert engine_runs("llama-edsd-side-tensors", job)["phases"] == eager_run["phases"]
 
@@ -99,7 +96,7 @@ def test_llama3_rope_drafts_match_reference_model(models, parity_drafters, engin
 def check_parity(models, engine_runs, baseline, served: str, source: str, key: str, tp: int, specforge: bool) -> None:
     job = {
         "target": models["llama"],
-        "speculative_config": edsd(served),
+        "speculative_config": edsd_spec(served),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32", "tensor_parallel_size": tp},
         "phases": [greedy_phase("parity", PARITY_PROMPTS, max_tokens=PARITY_TOKENS, record_proposals=True)],
     }
@@ -114,7 +111,7 @@ def check_parity(models, engine_runs, baseline, served: str, source: str, key: s
 def test_acceptance_counts_are_exact(models, engine_runs, baseline):
     job = {
         "target": models["llama"],
-        "speculative_config": edsd(models["llama-edsd-constant"]),
+        "speculative_config": edsd_spec(models["llama-edsd-constant"]),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
         "phases": [greedy_phase()],
     }
@@ -130,7 +127,7 @@ def test_acceptance_counts_are_exact(models, engine_runs, baseline):
 def test_compiled_engine(trained, engine_runs):
     """The drafter is compiled like vLLM's EAGLE-3 model (``support_torch_compile``); the
     compiled drafter's acceptance is what the reference predicts, not just any."""
-    spec = edsd(trained["edsd"])
+    spec = edsd_spec(trained["edsd"])
     run = serve_fitted(trained, engine_runs, "fitted-edsd-compiled", spec, eager=False)
     assert run["outputs"] == serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
     assert_counters_match(predicted_counters(trained, run["outputs"], K), run["counters"])
@@ -144,7 +141,7 @@ def sampling_job(models, draft_sample_method: str) -> dict:
     phase = {"prompts": PROMPTS[:4], "sampling": {**SAMPLED, "seed": 1234}, "one_at_a_time": True}
     return {
         "target": models["llama"],
-        "speculative_config": edsd(models["llama-edsd"], draft_sample_method=draft_sample_method),
+        "speculative_config": edsd_spec(models["llama-edsd"], draft_sample_method=draft_sample_method),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32", "seed": 7},
         "phases": [
             {"name": "first", **phase},
@@ -168,7 +165,7 @@ def test_probabilistic_drafting(models, engine_runs):
 def test_second_architecture_qwen3(models, engine_runs, baseline):
     job = {
         "target": models["qwen3"],
-        "speculative_config": edsd(models["qwen3-edsd"]),
+        "speculative_config": edsd_spec(models["qwen3-edsd"]),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
         "phases": [greedy_phase(record_proposals=True)],
     }
