@@ -60,16 +60,20 @@ def test_drafter_directory_served_alone_is_the_explicit_request(engine_runs, tra
     assert run["counters"]["draft_tokens"] == K * run["counters"]["drafts"]
 
 
-def test_regeneration_cache_is_keyed_by_its_inputs(trained, tmp_path):
-    """Other conversations (a changed --data or --max-samples) regenerate; the same ones
-    reuse the cache."""
-    from vllm_edsd.training.cli import regenerate
+def test_regeneration_cache_is_keyed_by_its_inputs(trained, tmp_path, monkeypatch):
+    """The same conversations reuse the cache; more of them (a larger --max-samples, or a run
+    interrupted after its first chunk) regenerate only the chunks not yet written; other
+    conversations never reuse stale answers."""
+    from vllm_edsd.training import cli
 
-    lines = [l for l in toy_corpus().splitlines() if l.strip()][32:36]
+    monkeypatch.setattr(cli, "REGENERATE_CHUNK", 2)
+    lines = [l for l in toy_corpus().splitlines() if l.strip()][32:37]
     convs = [[{"role": "user", "content": l}] for l in lines]
-    first = regenerate(trained["target"], convs[:2], tmp_path, 8)
+    first = cli.regenerate(trained["target"], convs[:2], tmp_path, 8)
     assert [c[0]["content"] for c in first] == lines[:2]
-    assert regenerate(trained["target"], convs[:2], tmp_path, 8) == first
-    other = regenerate(trained["target"], convs[2:], tmp_path, 8)
-    assert [c[0]["content"] for c in other] == lines[2:]
-    assert len(list(tmp_path.glob("regenerated-*.jsonl"))) == 2
+    (chunk,) = tmp_path.glob("regenerated-*.jsonl")
+    written = chunk.stat().st_mtime_ns
+    assert cli.regenerate(trained["target"], convs[:2], tmp_path, 8) == first
+    every = cli.regenerate(trained["target"], convs, tmp_path, 8)
+    assert every[:2] == first and [c[0]["content"] for c in every] == lines
+    assert chunk.stat().st_mtime_ns == written and len(list(tmp_path.glob("regenerated-*.jsonl"))) == 3

@@ -33,8 +33,8 @@ ROOMS: dict[str, set[str]] = {
                       "vllm_edsd.demo"},
     "vllm_edsd": {"vllm_edsd.version", "vllm_edsd.serving"},  # the package itself: the vLLM plugin entry point
     "weights_convert": {"vllm_edsd.conversion", "vllm_edsd.cli"},
-    "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.data", "vllm_edsd.launch", "vllm_edsd.serving",
-              "vllm_edsd.demo"},
+    "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.data", "vllm_edsd.checkpoint", "vllm_edsd.launch",
+              "vllm_edsd.serving", "vllm_edsd.demo"},
 }
 
 

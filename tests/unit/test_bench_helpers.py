@@ -90,3 +90,33 @@ def test_plots_skip_speedups_without_a_baseline(tmp_path):
     rows.append({"suite": "throughput", "method": "none", "k": 0, "batch_size": 1, "temperature": 0.0,
                  "output_tokens_per_s": 5.0})
     assert [p.name for p in plots({"runs": with_derived(rows)}, tmp_path)] == ["speedup_vs_batch.png"]
+
+
+def test_learning_curve_report_and_plot(tmp_path):
+    """The learning curve's table has one row per (method, size) with its positions and τ, names
+    the machine and dtype, and the plot is written."""
+    from bench.learning_curve import plot, render
+
+    machine = {"processor": "CPU X", "cpu_instruction_set": "avx2", "cores": 2, "vllm": "0.32.0"}
+    points = [{"method": m, "conversations": n, "positions": n * 150, "tau": 1.2 + n / 1000 + (m == "edsd") / 10,
+               "acceptance_per_pos": [0.2, 0.05, 0.01, 0.0], "drafts": 10, "dtype": "bfloat16",
+               "train_wall_s": 60.0 * n / 64, "train_acc_per_step": [0.5, 0.4]}
+              for m in ("eagle3", "edsd") for n in (64, 720)]
+    results = {"command": "python -m bench.learning_curve --out x", "machine": machine, "k": 4,
+               "held_out": "the bench's prompts", "points": points}
+    table = render(results)
+    assert "CPU X (avx2), 2 cores" in table and "target served in bfloat16" in table
+    assert "| edsd | 720 | 108,000 | 2.020 | 0.20 / 0.05 / 0.01 / 0.00 | 0.50 | 11.2 min |" in table
+    assert table.count("| eagle3 |") == 2
+    plot(results, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv, message", [(["--sizes", "64,x"], "expected comma-separated integers"),
+                                           (["--methods", "edsd,medusa"], "unknown method(s) medusa"),
+                                           (["--sizes", "0,64"], "--sizes must be positive")])
+def test_learning_curve_refuses_bad_arguments_in_one_line(argv, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.learning_curve", "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "work"), *argv], capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -332,11 +332,13 @@ def test_a_fixed_temporary_name_held_by_another_run_does_not_collide(models, tmp
     """Feature shards were written to ``shard_NNNNN.tmp``: a concurrent run holding that name
     broke (or was broken by) this one."""
     from vllm_edsd.target.hidden_states import load_target
-    from vllm_edsd.training.features import extract_features
+    from vllm_edsd.training.features import extract_features, shard_path
 
-    (tmp_path / "shard_00000.tmp").mkdir()
-    shards = extract_features(load_target(models["llama"]), [([1, 5, 6, 7], [0, 1, 1, 1])], (1, 3), tmp_path)
-    assert [p.name for p in shards] == ["shard_00000.pt"] and shards[0].is_file()
+    samples = [([1, 5, 6, 7], [0, 1, 1, 1])]
+    shard = shard_path(tmp_path, "", samples)
+    shard.with_suffix(".tmp").mkdir()
+    assert extract_features(load_target(models["llama"]), samples, (1, 3), tmp_path) == [shard]
+    assert shard.is_file()
 
 
 def test_target_embedding_is_the_only_tensor_read(models, training_ckpt, tmp_path, capsys):

@@ -231,6 +231,43 @@ def test_interrupted_training_resumes_to_the_same_result(models, chat_data, tmp_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_both_methods_share_one_feature_extraction(models, chat_data, tmp_path):
+    """Features extracted once for both methods' layers (``--cache``, ``--feature-layers``)
+    train the same EDSD drafter as features of its own layers, and the EAGLE-3 run on the
+    same cache extracts nothing."""
+    shared = tmp_path / "cache"
+    assert train(models, chat_data, tmp_path / "own", "--layers", "1,3", "--epochs", "1") == 0
+    assert train(models, chat_data, tmp_path / "edsd", "--layers", "1,3", "--epochs", "1",
+                 "--cache", shared, "--feature-layers", "3,2,1") == 0
+    written = {p: p.stat().st_mtime_ns for p in (shared / "features").iterdir()}
+    assert written
+    assert train(models, chat_data, tmp_path / "e3", "--method", "eagle3", "--layers", "1,2,3", "--epochs", "1",
+                 "--cache", shared, "--feature-layers", "1,2,3") == 0
+    assert {p: p.stat().st_mtime_ns for p in (shared / "features").iterdir()} == written
+    from safetensors.torch import load_file
+
+    own, picked = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("own", "edsd"))
+    assert own.keys() == picked.keys() and all(torch.equal(own[k], picked[k]) for k in own)
+
+
+def test_a_prefix_of_the_samples_reuses_its_shards(models, monkeypatch, tmp_path):
+    """Shards are named by their content: a run on more samples (a learning curve's next
+    size) reuses the shards of the samples it shares and extracts only the rest."""
+    from vllm_edsd.target.hidden_states import load_target
+    from vllm_edsd.training import features
+
+    monkeypatch.setattr(features, "SHARD_SIZE", 2)
+    target = load_target(models["llama"])
+    samples = [([1, 5 + i, 6, 7 + i], [0, 1, 1, 1]) for i in range(5)]
+    first = features.extract_features(target, samples[:4], (1, 3), tmp_path, key="k")
+    written = {p: p.stat().st_mtime_ns for p in first}
+    more = features.extract_features(target, samples, (1, 3), tmp_path, key="k")
+    assert more[:2] == first and {p: p.stat().st_mtime_ns for p in first} == written
+    assert len(more) == 3 and len(set(tmp_path.iterdir())) == 3
+    other_key = features.extract_features(target, samples[:2], (1, 3), tmp_path, key="other")
+    assert other_key[0] not in more
+
+
 class _MakesDirectory:
     """Unpickling this creates a directory: what a hostile training state could do."""
 
@@ -264,6 +301,10 @@ def test_bad_training_arguments(models, chat_data, tmp_path, capsys):
     assert "must lie in 0..4" in capsys.readouterr().err
     assert train(models, chat_data, tmp_path / "x", "--method", "eagle3", "--layers", "1,2") == 2
     assert "needs 3 distinct" in capsys.readouterr().err
+    assert train(models, chat_data, tmp_path / "x", "--layers", "1,3", "--feature-layers", "1,2") == 2
+    assert "--feature-layers [1, 2] must include the drafter's layers [1, 3]" in capsys.readouterr().err
+    assert train(models, chat_data, tmp_path / "x", "--layers", "1,3", "--feature-layers", "1,3,x") == 2
+    assert "expected comma-separated integers" in capsys.readouterr().err
     # A 0 once silently meant "the default" (the full vocabulary); every number is checked first.
     for flag, value, expected in [("--draft-vocab-size", "0", "--draft-vocab-size must be in 1..512"),
                                   ("--draft-vocab-size", "513", "--draft-vocab-size must be in 1..512"),

@@ -83,33 +83,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def drafter_prompts(chat: int, code: int, seed: int) -> list[list[dict]]:
     """``chat`` + ``code`` single-turn prompts: distinct first user turns of ShareGPT in a seeded
-    order, none of them a demo prompt; a prompt is "code" when it names a language or code."""
+    order, none of them a demo prompt; a prompt is "code" when it names a language or code.
+    They stay in that order, chat and code mixed, so a larger request extends a smaller one
+    (its regenerated chunks are reused) and any prefix is a sample of both kinds."""
     from vllm_edsd.data import load_sharegpt
 
     held_out = {prompt for _, prompt in DEMO_PROMPTS}
-    picked: dict[str, list[str]] = {"chat": [], "code": []}
+    wanted, counts = {"chat": chat, "code": code}, {"chat": 0, "code": 0}
+    picked: list[str] = []
     seen: set[str] = set()
     for conv in load_sharegpt(None, seed):
         first = next((m["content"].strip() for m in conv if m["role"] == "user"), "")[:PROMPT_CHARS]
         if len(first) < 16 or first in seen or first in held_out:
             continue
         kind = "code" if CODE_REQUEST.search(first) else "chat"
-        if len(picked[kind]) < (code if kind == "code" else chat):
-            picked[kind].append(first)
+        if counts[kind] < wanted[kind]:
+            picked.append(first)
             seen.add(first)
-        if len(picked["chat"]) >= chat and len(picked["code"]) >= code:
+            counts[kind] += 1
+        if counts == wanted:
             break
-    if len(picked["chat"]) < chat or len(picked["code"]) < code:
-        raise EDSDError(f"ShareGPT gave {len(picked['chat'])} chat and {len(picked['code'])} code prompts here; "
+    if counts != wanted:
+        raise EDSDError(f"ShareGPT gave {counts['chat']} chat and {counts['code']} code prompts here; "
                         f"{chat} and {code} requested")
-    return [[{"role": "user", "content": text}] for text in picked["chat"] + picked["code"]]
+    return [[{"role": "user", "content": text}] for text in picked]
 
 
 def regenerate_answers(work: Path, target: Path, args: argparse.Namespace) -> Path:
-    """JSON lines of the prompts answered by the target: the drafters' data."""
+    """JSON lines of the prompts answered by the target: the drafters' data (named by what it
+    holds: another prompt count is another file; its answers come from the chunked cache)."""
     from vllm_edsd.training.cli import regenerate
 
-    out = work / "regenerated.jsonl"
+    out = work / (f"regenerated-{args.chat_prompts}chat-{args.code_prompts}code-{args.answer_tokens}tokens-"
+                  f"seed{args.seed}.jsonl")
     if not out.is_file():
         prompts = drafter_prompts(args.chat_prompts, args.code_prompts, args.seed)
         conversations = regenerate(str(target), prompts, work / "cache", args.answer_tokens)
@@ -119,7 +125,39 @@ def regenerate_answers(work: Path, target: Path, args: argparse.Namespace) -> Pa
     return out
 
 
-def _edsd(argv: list[str]) -> None:
+def both_methods_layers(target: Path, layers_json: Path) -> str:
+    """EDSelect's layers and EAGLE-3's default ones: the features both drafters train on,
+    extracted once."""
+    from vllm_edsd.training.cli import eagle3_default_layers
+
+    eagle3 = eagle3_default_layers(json.loads((target / "config.json").read_text())["num_hidden_layers"])
+    return ",".join(str(i) for i in sorted(set(eagle3) | set(json.loads(layers_json.read_text())["aux_layer_ids"])))
+
+
+def select_layers(work: Path, target: Path, data: Path) -> Path:
+    """EDSelect's two layers for the target (``WORK/layers.json``), from the first 64 answers."""
+    layers = work / "layers.json"
+    if not layers.is_file():
+        edsd_stage(["select", str(target), "--data", str(data), "--samples", "64", "--max-length", "384",
+                    "--out", str(layers), "--plot", str(work / "layers.png")])
+    return layers
+
+
+def training_arguments(args: argparse.Namespace, method: str, data: Path) -> list[str]:
+    """``edsd train``'s arguments for one drafter of the demo recipe: both methods on the same
+    data, order, seed, epochs, TTT budget and draft vocabulary, from one feature extraction
+    (``WORK/cache``); EDSD on EDSelect's layers (``WORK/layers.json``)."""
+    work, target = Path(args.work), demo_target()
+    layers = work / "layers.json"
+    own = ["--layers-from", str(layers)] if method == "edsd" else ["--method", "eagle3"]
+    return [*own, "--data", str(data), "--epochs", str(args.draft_epochs), "--ttt-steps", str(args.ttt_steps),
+            "--lr", str(args.draft_lr), "--draft-vocab-size", str(args.draft_vocab_size),
+            "--max-length", str(args.answer_tokens + 256), "--batch-size", "8",
+            "--seed", str(args.seed), "--device", args.device,
+            "--cache", str(work / "cache"), "--feature-layers", both_methods_layers(target, layers)]
+
+
+def edsd_stage(argv: list[str]) -> None:
     """``edsd NAME ARGS...`` for the three stages it builds on, each through its own module
     (the ``edsd`` command's table is above the demo)."""
     import importlib
@@ -144,25 +182,18 @@ def run(args: argparse.Namespace) -> int:
     data = regenerate_answers(work, target, args)
     if args.stop_after == "regenerate":
         return 0
-    layers = work / "layers.json"
-    if not layers.is_file():
-        _edsd(["select", str(target), "--data", str(data), "--samples", "64", "--max-length", "384",
-               "--out", str(layers), "--plot", str(work / "layers.png")])
+    select_layers(work, target, data)
     if args.stop_after == "select":
         return 0
-    common = ["--data", str(data), "--epochs", str(args.draft_epochs), "--ttt-steps", str(args.ttt_steps),
-              "--lr", str(args.draft_lr), "--draft-vocab-size", str(args.draft_vocab_size),
-              "--max-length", str(args.answer_tokens + 256), "--batch-size", "8",
-              "--seed", str(args.seed), "--device", args.device]
-    for method, extra in (("edsd", ["--layers-from", str(layers)]), ("eagle3", ["--method", "eagle3"])):
+    for method in ("edsd", "eagle3"):
         if not finished_checkpoint(work / method / "final"):
-            _edsd(["train", str(target), "--out", str(work / method), *extra, *common])
+            edsd_stage(["train", str(target), "--out", str(work / method), *training_arguments(args, method, data)])
         if args.stop_after == method:
             return 0
     converted = work / "edsd-vllm"
     if not finished_checkpoint(converted):
-        _edsd(["convert", str(work / "edsd" / "final"), str(converted), "--target", str(target),
-               "--verifier", HUB_ID, "--dtype", "float16", "--force"])
+        edsd_stage(["convert", str(work / "edsd" / "final"), str(converted), "--target", str(target),
+                    "--verifier", HUB_ID, "--dtype", "float16", "--force"])
     if args.stop_after == "convert":
         return 0
     if args.ship:

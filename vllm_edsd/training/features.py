@@ -1,5 +1,7 @@
 """Training data for a drafter: conversations → token ids + loss masks → target features,
-cached on disk in shards so that an interrupted extraction resumes where it stopped.
+cached on disk in shards named by their content, so that an interrupted extraction resumes
+where it stopped, and runs on a prefix of the same samples (a learning curve) or for another
+method (features stored for the union of both methods' layers) reuse them.
 
 Each cached sample keeps what training needs and nothing else: token ids, the assistant
 loss mask, the aux hidden states of the chosen layers and the target's final hidden state
@@ -36,12 +38,18 @@ def tokenize_conversations(
     return [(ids, mask) for ids, mask in samples if sum(mask[2:]) >= 2], skipped
 
 
-def cache_key(target: str, layer_ids: tuple[int, ...], samples: list[tuple[list[int], list[int]]], dtype: str) -> str:
-    """What the cached features depend on: format, target, layers, the target's dtype, samples."""
-    digest = hashlib.sha256(json.dumps([CACHE_FORMAT, str(Path(target).resolve()), list(layer_ids), dtype]).encode())
-    for ids, mask in samples:
+def feature_key(target: str, layer_ids: tuple[int, ...], dtype: str) -> str:
+    """What every shard's features depend on besides its samples: format, target, layers, dtype."""
+    return json.dumps([CACHE_FORMAT, str(Path(target).resolve()), list(layer_ids), dtype])
+
+
+def shard_path(cache_dir: Path, key: str, chunk: list[tuple[list[int], list[int]]]) -> Path:
+    """A shard's file, named by its content: runs on the same samples (a prefix of a larger
+    set, or another method with the same feature layers) find and reuse it."""
+    digest = hashlib.sha256(key.encode())
+    for ids, mask in chunk:
         digest.update(json.dumps([ids, mask]).encode())
-    return digest.hexdigest()[:16]
+    return cache_dir / f"shard-{digest.hexdigest()[:20]}.pt"
 
 
 def extract_features(
@@ -50,15 +58,17 @@ def extract_features(
     layer_ids: tuple[int, ...],
     cache_dir: Path,
     *,
+    key: str = "",
     batch_size: int = 4,
     device: str = "cpu",
 ) -> list[Path]:
-    """Write shard files of target features into ``cache_dir``; existing shards are kept."""
+    """Shard files of target features for ``samples`` (SHARD_SIZE each, in order) in
+    ``cache_dir``; shards already there (same ``key`` and samples) are reused, not recomputed."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     shards = []
     starts = range(0, len(samples), SHARD_SIZE)
-    for shard_index, start in enumerate(tqdm(starts, desc="target features", unit="shard")):
-        path = cache_dir / f"shard_{shard_index:05d}.pt"
+    for start in tqdm(starts, desc="target features", unit="shard"):
+        path = shard_path(cache_dir, key, samples[start : start + SHARD_SIZE])
         shards.append(path)
         if path.exists():
             continue
@@ -89,11 +99,17 @@ def extract_features(
     return shards
 
 
+def aux_columns(stored: tuple[int, ...], wanted: tuple[int, ...], hidden_size: int) -> torch.Tensor:
+    """Indices of ``wanted``'s layers in features stored for the layers ``stored`` (in order)."""
+    return torch.cat([torch.arange(hidden_size) + stored.index(layer) * hidden_size for layer in wanted])
+
+
 def iterate_batches(
-    shards: list[Path], batch_size: int, generator: torch.Generator
+    shards: list[Path], batch_size: int, generator: torch.Generator, columns: torch.Tensor | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Right-padded batches in a seeded random order: shards shuffled, and within a shard
-    samples of similar length batched together (little padding), the batches shuffled."""
+    samples of similar length batched together (little padding), the batches shuffled.
+    ``columns`` picks the drafter's layers out of features stored for more (``aux_columns``)."""
     for shard_index in torch.randperm(len(shards), generator=generator).tolist():
         records = torch.load(shards[shard_index], weights_only=True)
         order = torch.randperm(len(records), generator=generator).tolist()
@@ -110,6 +126,8 @@ def iterate_batches(
                     out[row, : len(record[key])] = record[key]
                 return out
 
+            aux = pad("aux")
             yield {"input_ids": pad("input_ids").long(), "loss_mask": pad("loss_mask", False),
-                   "aux": pad("aux"), "final": pad("final"), "target_argmax": pad("target_argmax", -1).long(),
+                   "aux": aux if columns is None else aux[..., columns], "final": pad("final"),
+                   "target_argmax": pad("target_argmax", -1).long(),
                    "target_entropy": pad("target_entropy")}

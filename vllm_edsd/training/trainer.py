@@ -147,11 +147,13 @@ def train(
     recipe: Recipe,
     out_dir: Path,
     save_checkpoint,
+    columns: torch.Tensor | None = None,
 ) -> list[dict]:
     """Train for ``recipe.epochs`` epochs, writing a checkpoint and a log line after each.
 
     Resumes from ``out_dir/training_state.pt`` when an earlier run was interrupted.
-    ``save_checkpoint(model, directory)`` writes one checkpoint in the method's layout.
+    ``save_checkpoint(model, directory)`` writes one checkpoint in the method's layout;
+    ``columns`` picks the drafter's layers from shards stored for more (``features.aux_columns``).
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=recipe.lr, betas=(0.9, 0.95))
@@ -173,8 +175,8 @@ def train(
         percent, steps = recipe.percent(epoch), recipe.steps(epoch)
         started = time.time()
         sums = {"loss": 0.0, "batches": 0, "acc": [0.0] * steps, "masked": 0, "eligible": 0, "counted": 0}
-        bar = tqdm(iterate_batches(shards, recipe.batch_size, generator), desc=f"epoch {epoch + 1}/{recipe.epochs}",
-                   unit="batch")
+        bar = tqdm(iterate_batches(shards, recipe.batch_size, generator, columns),
+                   desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
         for batch in bar:
             result = ttt_loss(model, batch, draft_head, steps, percent, recipe.reading)
             optimizer.zero_grad()

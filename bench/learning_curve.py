@@ -1,0 +1,195 @@
+"""``python -m bench.learning_curve``: served τ against training positions, EDSD and EAGLE-3
+trained the same way (the demo recipe of ``edsd build-demo``), so the training budget is chosen
+from a measurement (issue #25, docs/architecture.md "Data flow").
+
+Stages, each skipped when its output exists (rerun the same command to resume); everything
+but the results lives under ``--work`` (default ``~/.cache/vllm-edsd/learning-curve``):
+
+1. data: ``edsd build-demo``'s prompts (ShareGPT chat and code, seeded, held-out prompts
+   excluded) answered by the target through vLLM, in resumable chunks;
+2. EDSelect's layers for EDSD (``build-demo``'s select stage);
+3. for every size N and method: ``edsd train`` on the first N conversations with the demo
+   recipe; both methods and every size read one feature cache (shards named by content);
+4. τ of each drafter served by vLLM (K, greedy, ignore EOS) on the bench's held-out prompts
+   (five categories), batched; EDSD converted to vLLM's layout first.
+
+Writes ``results.json``, ``report.md`` and ``learning_curve.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vllm_edsd.errors import EDSDError
+
+from .offline import CATEGORIES, generate, load_prompts
+
+METHODS = ("edsd", "eagle3")
+DEFAULT_WORK = Path.home() / ".cache" / "vllm-edsd" / "learning-curve"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.learning_curve", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  python -m bench.learning_curve --sizes 64,180,360,720 --out bench/results/learning-curve")
+    add = parser.add_argument
+    add("--out", required=True, help="where results.json, report.md and the plot go")
+    add("--work", default=str(DEFAULT_WORK), help=f"data, caches and checkpoints (default {DEFAULT_WORK})")
+    add("--sizes", default="64,180,360,720", help="training conversations per point, comma-separated")
+    add("--methods", default=",".join(METHODS), help="edsd, eagle3 or both (default both)")
+    add("--chat-prompts", type=int, default=None, help="ShareGPT chat prompts answered (default: in proportion)")
+    add("--code-prompts", type=int, default=None, help="ShareGPT code prompts answered (default: a third)")
+    add("--k", type=int, default=4, help="num_speculative_tokens when τ is measured (default 4)")
+    add("--prompts-per-category", type=int, default=4, help="held-out prompts per bench category (default 4)")
+    add("--max-tokens", type=int, default=128, help="tokens generated per held-out prompt (default 128)")
+    add("--device", default="cpu", help="where the drafters train (default cpu)")
+    return parser.parse_args(argv)
+
+
+def demo_recipe(args: argparse.Namespace, largest: int):
+    """``edsd build-demo``'s arguments at their defaults, with enough prompts for the largest size."""
+    from vllm_edsd.demo import build
+
+    code = args.code_prompts if args.code_prompts is not None else largest // 3
+    chat = args.chat_prompts if args.chat_prompts is not None else largest - code
+    if chat + code < largest:
+        raise EDSDError(f"--sizes asks for {largest} conversations but only {chat + code} prompts are answered")
+    parser = argparse.ArgumentParser()
+    build.add_arguments(parser)
+    return parser.parse_args(["--work", args.work, "--device", args.device,
+                              "--chat-prompts", str(chat), "--code-prompts", str(code)])
+
+
+def train_point(recipe, method: str, size: int, data: Path) -> Path:
+    """The drafter trained on the first ``size`` conversations, in a layout vLLM serves."""
+    from vllm_edsd.checkpoint.files import finished_checkpoint
+    from vllm_edsd.demo.build import edsd_stage, training_arguments
+    from vllm_edsd.demo.target import demo_target
+
+    run = Path(recipe.work) / "curve" / f"{method}-{size}"
+    target = str(demo_target())
+    if not finished_checkpoint(run / "final"):
+        edsd_stage(["train", target, "--out", str(run), *training_arguments(recipe, method, data),
+                    "--max-samples", str(size)])
+    if method == "eagle3":
+        return run / "final"
+    served = run / "vllm"
+    if not finished_checkpoint(served):
+        edsd_stage(["convert", str(run / "final"), str(served), "--target", target, "--force"])
+    return served
+
+
+def measure(drafter: Path, method: str, args: argparse.Namespace) -> dict:
+    """τ of one drafter served by vLLM on the held-out prompts (greedy, batched)."""
+    from vllm_edsd.demo.target import demo_target
+    from vllm_edsd.launch.engine import llm_session, speculative_config
+
+    prompts = [c for category in CATEGORIES for c in load_prompts(category, args.prompts_per_category)]
+    with llm_session(str(demo_target()), speculative_config(method, str(drafter), args.k)) as llm:
+        result = generate(llm, prompts, 0.0, args.max_tokens, one_at_a_time=False)
+    return {key: result[key] for key in ("tau", "acceptance_per_pos", "drafts", "dtype")}
+
+
+def point(recipe, method: str, size: int, data: Path, args: argparse.Namespace) -> dict:
+    """One point of the curve: train (or reuse) the drafter, then measure it."""
+    drafter = train_point(recipe, method, size, data)
+    log = [json.loads(line) for line in (drafter.parent / "train_log.jsonl").read_text().splitlines()]
+    return {"method": method, "conversations": size, "positions": log[-1]["positions_trained"],
+            "train_wall_s": round(sum(e["wall_s"] for e in log), 1),
+            "train_acc_per_step": [round(a, 4) for a in log[-1]["acc_per_step"]], **measure(drafter, method, args)}
+
+
+def describe(machine: dict) -> str:
+    return (f"{machine['processor']} ({machine['cpu_instruction_set']}), {machine['cores']} cores, "
+            f"vLLM {machine['vllm']}")
+
+
+def render(results: dict) -> str:
+    rows = sorted(results["points"], key=lambda r: (r["method"], r["conversations"]))
+    lines = [f"# Learning curve: served τ (K={results['k']}, T=0) against training positions", "",
+             f"Command: `{results['command']}`  ",
+             f"Machine: {describe(results['machine'])}; drafters trained in float32, target served in "
+             f"{rows[0]['dtype']}.  ",
+             f"Held out: {results['held_out']}.", "",
+             "| method | conversations | positions | τ | acceptance per position | train acc (last epoch) "
+             "| training wall time |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | "
+                     + " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
+                     + f" | {r['train_acc_per_step'][0]:.2f} | {r['train_wall_s'] / 60:.1f} min |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for method in sorted({r["method"] for r in results["points"]}):
+        rows = sorted((r for r in results["points"] if r["method"] == method), key=lambda r: r["positions"])
+        ax.plot([r["positions"] for r in rows], [r["tau"] for r in rows], marker="o", label=method)
+    ax.set(xscale="log", xlabel="training positions", ylabel="τ (served, T=0)",
+           title=f"Learning curve, K={results['k']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        sizes = sorted({int(x) for x in args.sizes.split(",")})
+        methods = args.methods.split(",")
+    except ValueError:
+        print(f"--sizes {args.sizes!r}: expected comma-separated integers", file=sys.stderr)
+        return 2
+    if unknown := sorted(set(methods) - set(METHODS)):
+        print(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}", file=sys.stderr)
+        return 2
+    from vllm_edsd.demo.build import regenerate_answers, select_layers
+    from vllm_edsd.demo.target import demo_target
+
+    from .__main__ import machine
+
+    out = Path(args.out)
+    try:
+        if sizes[0] < 1:
+            raise EDSDError(f"--sizes must be positive, got {sizes[0]}")
+        recipe = demo_recipe(args, sizes[-1])
+        work, target = Path(args.work), demo_target()
+        work.mkdir(parents=True, exist_ok=True)
+        data = regenerate_answers(work, target, recipe)
+        select_layers(work, target, data)
+        results = {"command": "python -m bench.learning_curve " + " ".join(argv or sys.argv[1:]),
+                   "machine": machine(), "k": args.k, "points": [],
+                   "held_out": f"the bench's prompts, {args.prompts_per_category} per category "
+                               f"({', '.join(CATEGORIES)}), {args.max_tokens} tokens each, batched"}
+        out.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        for size in tqdm(sizes, desc="sizes", unit="size"):
+            for method in methods:
+                results["points"].append(point(recipe, method, size, data, args))
+                (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+                (out / "report.md").write_text(render(results))
+        plot(results, out / "learning_curve.png")
+    except EDSDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render(results))
+    print(f"({(time.time() - started) / 60:.1f} min; written to {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
