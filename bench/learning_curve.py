@@ -10,8 +10,8 @@ but the results lives under ``--work`` (default ``~/.cache/vllm-edsd/learning-cu
 2. EDSelect's layers for EDSD (``build-demo``'s select stage);
 3. for every size N and method: ``edsd train`` on the first N conversations with the demo
    recipe; both methods and every size read one feature cache (shards named by content);
-4. τ of each drafter served by vLLM (K, greedy, ignore EOS) on the bench's held-out prompts
-   (five categories), batched; EDSD converted to vLLM's layout first.
+4. τ of each drafter served by vLLM (K, greedy, ignore EOS, float32) on the bench's held-out
+   prompts (five categories), batched; EDSD converted to vLLM's layout first.
 
 Writes ``results.json``, ``report.md`` and ``learning_curve.png`` into ``--out``.
 """
@@ -87,12 +87,15 @@ def train_point(recipe, method: str, size: int, data: Path) -> Path:
 
 
 def measure(drafter: Path, method: str, args: argparse.Namespace) -> dict:
-    """τ of one drafter served by vLLM on the held-out prompts (greedy, batched)."""
+    """τ of one drafter served by vLLM on the held-out prompts (greedy, batched), in float32 and
+    eager like the shipped drafters' acceptance check: the same figure on every CPU."""
+    from vllm_edsd.demo import ACCEPTANCE_CHECK
     from vllm_edsd.demo.target import demo_target
     from vllm_edsd.launch.engine import llm_session, speculative_config
 
     prompts = [c for category in CATEGORIES for c in load_prompts(category, args.prompts_per_category)]
-    with llm_session(str(demo_target()), speculative_config(method, str(drafter), args.k)) as llm:
+    spec = speculative_config(method, str(drafter), args.k)
+    with llm_session(str(demo_target()), spec, **ACCEPTANCE_CHECK["llm_kwargs"]) as llm:
         result = generate(llm, prompts, 0.0, args.max_tokens, one_at_a_time=False)
     return {key: result[key] for key in ("tau", "acceptance_per_pos", "drafts", "dtype")}
 
