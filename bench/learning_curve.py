@@ -73,7 +73,7 @@ def train_point(recipe, method: str, size: int, data: Path) -> Path:
     from vllm_edsd.demo.build import edsd_stage, training_arguments
     from vllm_edsd.demo.target import demo_target
 
-    run = Path(recipe.work) / "curve" / f"{method}-{size}"
+    run = Path(recipe.work) / "curve" / data.stem / f"{method}-{size}"  # another data set is another run
     target = str(demo_target())
     if not finished_checkpoint(run / "final"):
         edsd_stage(["train", target, "--out", str(run), *training_arguments(recipe, method, data),
