@@ -50,6 +50,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--prompts-per-category", type=int, default=4, help="held-out prompts per bench category (default 4)")
     add("--max-tokens", type=int, default=128, help="tokens generated per held-out prompt (default 128)")
     add("--device", default="cpu", help="where the drafters train (default cpu)")
+    add("--train-extra", default="", help="more `edsd train` arguments for every point, an ablation "
+                                         "(e.g. --train-extra='--feature-noise 0.2'); its runs are kept apart")
     return parser.parse_args(argv)
 
 
@@ -67,17 +69,19 @@ def demo_recipe(args: argparse.Namespace, largest: int):
                               "--chat-prompts", str(chat), "--code-prompts", str(code)])
 
 
-def train_point(recipe, method: str, size: int, data: Path) -> Path:
+def train_point(recipe, method: str, size: int, data: Path, extra: list[str]) -> Path:
     """The drafter trained on the first ``size`` conversations, in a layout vLLM serves."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
     from vllm_edsd.demo.build import edsd_stage, training_arguments
     from vllm_edsd.demo.target import demo_target
 
-    run = Path(recipe.work) / "curve" / data.stem / f"{method}-{size}"  # another data set is another run
+    variant = "".join(extra).replace("-", "").replace("/", "_")
+    # another data set or another ablation is another run
+    run = Path(recipe.work) / "curve" / data.stem / (f"{method}-{size}" + (f"-{variant}" if variant else ""))
     target = str(demo_target())
     if not finished_checkpoint(run / "final"):
         edsd_stage(["train", target, "--out", str(run), *training_arguments(recipe, method, data),
-                    "--max-samples", str(size)])
+                    "--max-samples", str(size), *extra])
     if method == "eagle3":
         return run / "final"
     served = run / "vllm"
@@ -102,11 +106,29 @@ def measure(drafter: Path, method: str, args: argparse.Namespace) -> dict:
 
 def point(recipe, method: str, size: int, data: Path, args: argparse.Namespace) -> dict:
     """One point of the curve: train (or reuse) the drafter, then measure it."""
-    drafter = train_point(recipe, method, size, data)
+    drafter = train_point(recipe, method, size, data, args.train_extra.split())
     log = [json.loads(line) for line in (drafter.parent / "train_log.jsonl").read_text().splitlines()]
-    return {"method": method, "conversations": size, "positions": log[-1]["positions_trained"],
+    return {"method": method, "variant": args.train_extra, "conversations": size,
+            "positions": log[-1]["positions_trained"],
             "train_wall_s": round(sum(e["wall_s"] for e in log), 1),
             "train_acc_per_step": [round(a, 4) for a in log[-1]["acc_per_step"]], **measure(drafter, method, args)}
+
+
+def same_point(a: dict, b: dict) -> bool:
+    return all(a.get(key, "") == b.get(key, "") for key in ("method", "variant", "conversations"))
+
+
+def measurement(args: argparse.Namespace) -> dict:
+    return {"k": args.k, "prompts_per_category": args.prompts_per_category, "max_tokens": args.max_tokens}
+
+
+def earlier_points(path: Path, args: argparse.Namespace) -> list[dict]:
+    """Points an earlier run wrote to the same ``--out`` with the same measurement: an ablation
+    adds its points beside the main curve's."""
+    if not path.is_file():
+        return []
+    earlier = json.loads(path.read_text())
+    return earlier["points"] if earlier.get("measurement") == measurement(args) else []
 
 
 def describe(machine: dict) -> str:
@@ -115,7 +137,7 @@ def describe(machine: dict) -> str:
 
 
 def render(results: dict) -> str:
-    rows = sorted(results["points"], key=lambda r: (r["method"], r["conversations"]))
+    rows = sorted(results["points"], key=lambda r: (r["method"], r.get("variant", ""), r["conversations"]))
     lines = [f"# Learning curve: served τ (K={results['k']}, T=0) against training positions", "",
              f"Command: `{results['command']}`  ",
              f"Machine: {describe(results['machine'])}; drafters trained in float32, target served in "
@@ -125,7 +147,8 @@ def render(results: dict) -> str:
              "| training wall time |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | "
+        name = r["method"] + (f" `{r['variant']}`" if r.get("variant") else "")
+        lines.append(f"| {name} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | "
                      + " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
                      + f" | {r['train_acc_per_step'][0]:.2f} | {r['train_wall_s'] / 60:.1f} min |")
     return "\n".join(lines) + "\n"
@@ -138,9 +161,11 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for method in sorted({r["method"] for r in results["points"]}):
-        rows = sorted((r for r in results["points"] if r["method"] == method), key=lambda r: r["positions"])
-        ax.plot([r["positions"] for r in rows], [r["tau"] for r in rows], marker="o", label=method)
+    for method, variant in sorted({(r["method"], r.get("variant", "")) for r in results["points"]}):
+        rows = sorted((r for r in results["points"] if (r["method"], r.get("variant", "")) == (method, variant)),
+                      key=lambda r: r["positions"])
+        ax.plot([r["positions"] for r in rows], [r["tau"] for r in rows], marker="o",
+                label=f"{method} {variant}".strip())
     ax.set(xscale="log", xlabel="training positions", ylabel="τ (served, T=0)",
            title=f"Learning curve, K={results['k']}")
     ax.legend()
@@ -175,14 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         data = regenerate_answers(work, target, recipe)
         select_layers(work, target, data)
         results = {"command": "python -m bench.learning_curve " + " ".join(argv or sys.argv[1:]),
-                   "machine": machine(), "k": args.k, "points": [],
+                   "machine": machine(), "k": args.k, "measurement": measurement(args),
+                   "points": earlier_points(out / "results.json", args),
                    "held_out": f"the bench's prompts, {args.prompts_per_category} per category "
                                f"({', '.join(CATEGORIES)}), {args.max_tokens} tokens each, batched"}
         out.mkdir(parents=True, exist_ok=True)
         started = time.time()
         for size in tqdm(sizes, desc="sizes", unit="size"):
             for method in methods:
-                results["points"].append(point(recipe, method, size, data, args))
+                new = point(recipe, method, size, data, args)
+                results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
                 (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
                 (out / "report.md").write_text(render(results))
         plot(results, out / "learning_curve.png")

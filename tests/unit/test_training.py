@@ -313,3 +313,15 @@ def test_bad_training_arguments(models, chat_data, tmp_path, capsys):
         assert train(models, chat_data, tmp_path / "x", "--layers", "1,3", flag, value) == 2
         assert expected in capsys.readouterr().err
     assert not (tmp_path / "x").exists(), "a refused run wrote nothing"
+
+
+def test_feature_noise_is_relative_to_each_layers_scale():
+    """A quiet early layer and a loud late one get the same relative perturbation."""
+    from vllm_edsd.training.trainer import add_feature_noise
+
+    torch.manual_seed(0)
+    quiet, loud = torch.randn(4, 64, 32) * 0.01, torch.randn(4, 64, 32) * 100
+    noisy = add_feature_noise(torch.cat([quiet, loud], -1), 32, 0.1)
+    for clean, perturbed in ((quiet, noisy[..., :32]), (loud, noisy[..., 32:])):
+        ratio = ((perturbed - clean).pow(2).mean() / clean.pow(2).mean()).sqrt()
+        assert ratio == pytest.approx(0.1, rel=0.05)

@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(with bias, as the paper's prose describes)")
     parser.add_argument("--no-mask-p", action="store_true", help="ablation: no entropy mask")
     parser.add_argument("--no-step-n", action="store_true", help="ablation: fixed TTT steps")
+    parser.add_argument("--feature-noise", type=float, default=0.0,
+                        help="Gaussian noise on the target features while training, relative to each layer's RMS "
+                             "(a regulariser; default 0: none)")
     parser.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5, the paper's)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-length", type=int, default=2048)
@@ -152,6 +155,9 @@ def check_numbers(args: argparse.Namespace, vocab: int) -> None:
         raise EDSDError(f"--max-samples must be a positive integer, got {args.max_samples}")
     if not args.lr > 0:
         raise EDSDError(f"--lr must be positive, got {args.lr}")
+    if not 0 <= args.feature_noise < 10:
+        raise EDSDError(f"--feature-noise is relative to the features' RMS: 0 (none) up to 10, "
+                        f"got {args.feature_noise}")
 
 
 REGENERATE_CHUNK = 256  # conversations per cached file: an interrupted regeneration loses at most one
@@ -257,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
                     reading=args.edtrain_reading, gamma=args.gamma,
                     mask_p=args.method == "edsd" and not args.no_mask_p,
                     step_n=args.method == "edsd" and not args.no_step_n,
-                    lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+                    lr=args.lr, batch_size=args.batch_size, seed=args.seed, feature_noise=args.feature_noise)
     if skipped:
         print(f"skipped {skipped} of {len(conversations)} conversations: the chat template does not render "
               "their answers after their own prompts")

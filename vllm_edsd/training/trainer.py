@@ -51,6 +51,7 @@ class Recipe:
     batch_size: int = 4
     grad_clip: float = 0.5
     seed: int = 0
+    feature_noise: float = 0.0  # Gaussian noise on the target features, relative to each layer's RMS
 
     def percent(self, epoch: int) -> float:
         return READINGS[self.reading].mask_percent(epoch, self.epochs, self.gamma) if self.mask_p else 0.0
@@ -80,16 +81,29 @@ def _shift(x: torch.Tensor, k: int, fill) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], 1)
 
 
+def add_feature_noise(features: torch.Tensor, layer_width: int, relative_std: float) -> torch.Tensor:
+    """``features`` (layers concatenated, ``layer_width`` each) plus Gaussian noise whose standard
+    deviation is ``relative_std`` times each layer's RMS at that position: the same relative
+    perturbation for a quiet early layer and a loud late one."""
+    layers = features.unflatten(-1, (-1, layer_width))
+    rms = layers.pow(2).mean(-1, keepdim=True).sqrt()
+    return (layers + relative_std * rms * torch.randn_like(layers)).flatten(-2)
+
+
 def ttt_loss(
     model, batch: dict[str, torch.Tensor], draft_head: torch.Tensor, num_steps: int, percent: float,
-    reading: str = "paper",
+    reading: str = "paper", feature_noise: float = 0.0,
 ) -> BatchResult:
     """Training-time-test loss of one batch (see the module docstring for the alignment).
-    ``draft_head`` holds the target's ``lm_head`` rows of the draft vocabulary, in draft-id order."""
+    ``draft_head`` holds the target's ``lm_head`` rows of the draft vocabulary, in draft-id order;
+    ``feature_noise`` > 0 perturbs the target features (a regulariser: served features are never
+    exactly the training ones)."""
     device = draft_head.device
     schedule = READINGS[reading]
     ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
     features = batch["aux"].to(device).float()
+    if feature_noise > 0:
+        features = add_feature_noise(features, model.config.target_hidden_size, feature_noise)
     with torch.no_grad():
         draft_logits = batch["final"].to(device).float() @ draft_head.T  # the target's, over the draft vocabulary
         soft = torch.softmax(draft_logits, -1)
@@ -162,7 +176,8 @@ def train(
     state_path, log_path = out_dir / STATE_FILE, out_dir / LOG_FILE
     if state_path.exists():
         state = _read_state(state_path)
-        if state["recipe"] != asdict(recipe):
+        defaults = {name: f.default for name, f in Recipe.__dataclass_fields__.items()}
+        if {**defaults, **state["recipe"]} != asdict(recipe):  # a field added since: its default
             raise EDSDError(f"{out_dir}: holds an interrupted run with a different recipe; use another --out")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -178,7 +193,7 @@ def train(
         bar = tqdm(iterate_batches(shards, recipe.batch_size, generator, columns),
                    desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
         for batch in bar:
-            result = ttt_loss(model, batch, draft_head, steps, percent, recipe.reading)
+            result = ttt_loss(model, batch, draft_head, steps, percent, recipe.reading, recipe.feature_noise)
             optimizer.zero_grad()
             result.loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, recipe.grad_clip)
