@@ -69,49 +69,47 @@ def demo_recipe(args: argparse.Namespace, largest: int):
                               "--chat-prompts", str(chat), "--code-prompts", str(code)])
 
 
-def train_point(recipe, method: str, size: int, data: Path, extra: list[str]) -> Path:
+def train_point(recipe, method: str, size: int, data: Path, target: Path, layers: Path, extra: list[str]) -> Path:
     """The drafter trained on the first ``size`` conversations, in a layout vLLM serves."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
     from vllm_edsd.demo.build import edsd_stage, training_arguments
-    from vllm_edsd.demo.target import demo_target
 
     variant = "".join(extra).replace("-", "").replace("/", "_")
     # another data set or another ablation is another run
     run = Path(recipe.work) / "curve" / data.stem / (f"{method}-{size}" + (f"-{variant}" if variant else ""))
-    target = str(demo_target())
     if not finished_checkpoint(run / "final"):
-        edsd_stage(["train", target, "--out", str(run), *training_arguments(recipe, method, data),
+        edsd_stage(["train", str(target), "--out", str(run), *training_arguments(recipe, method, data, target, layers),
                     "--max-samples", str(size), *extra])
     if method == "eagle3":
         return run / "final"
     served = run / "vllm"
     if not finished_checkpoint(served):
-        edsd_stage(["convert", str(run / "final"), str(served), "--target", target, "--force"])
+        edsd_stage(["convert", str(run / "final"), str(served), "--target", str(target), "--force"])
     return served
 
 
-def measure(drafter: Path, method: str, args: argparse.Namespace) -> dict:
+def measure(drafter: Path, method: str, target: Path, args: argparse.Namespace) -> dict:
     """τ of one drafter served by vLLM on the held-out prompts (greedy, batched), in float32 and
     eager like the shipped drafters' acceptance check: the same figure on every CPU."""
     from vllm_edsd.demo import ACCEPTANCE_CHECK
-    from vllm_edsd.demo.target import demo_target
     from vllm_edsd.launch.engine import llm_session, speculative_config
 
     prompts = [c for category in CATEGORIES for c in load_prompts(category, args.prompts_per_category)]
     spec = speculative_config(method, str(drafter), args.k)
-    with llm_session(str(demo_target()), spec, **ACCEPTANCE_CHECK["llm_kwargs"]) as llm:
+    with llm_session(str(target), spec, **ACCEPTANCE_CHECK["llm_kwargs"]) as llm:
         result = generate(llm, prompts, 0.0, args.max_tokens, one_at_a_time=False)
     return {key: result[key] for key in ("tau", "acceptance_per_pos", "drafts", "dtype")}
 
 
-def point(recipe, method: str, size: int, data: Path, args: argparse.Namespace) -> dict:
+def point(recipe, method: str, size: int, data: Path, target: Path, layers: Path, args: argparse.Namespace) -> dict:
     """One point of the curve: train (or reuse) the drafter, then measure it."""
-    drafter = train_point(recipe, method, size, data, args.train_extra.split())
+    drafter = train_point(recipe, method, size, data, target, layers, args.train_extra.split())
     log = [json.loads(line) for line in (drafter.parent / "train_log.jsonl").read_text().splitlines()]
     return {"method": method, "variant": args.train_extra, "conversations": size,
             "positions": log[-1]["positions_trained"],
             "train_wall_s": round(sum(e["wall_s"] for e in log), 1),
-            "train_acc_per_step": [round(a, 4) for a in log[-1]["acc_per_step"]], **measure(drafter, method, args)}
+            "train_acc_per_step": [round(a, 4) for a in log[-1]["acc_per_step"]],
+            **measure(drafter, method, target, args)}
 
 
 def same_point(a: dict, b: dict) -> bool:
@@ -198,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         work, target = Path(args.work), demo_target()
         work.mkdir(parents=True, exist_ok=True)
         data = regenerate_answers(work, target, recipe)
-        select_layers(work, target, data)
+        layers = select_layers(work, target, data)
         results = {"command": "python -m bench.learning_curve " + " ".join(argv or sys.argv[1:]),
                    "machine": machine(), "k": args.k, "measurement": measurement(args),
                    "points": earlier_points(out / "results.json", args),
@@ -208,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         for size in tqdm(sizes, desc="sizes", unit="size"):
             for method in methods:
-                new = point(recipe, method, size, data, args)
+                new = point(recipe, method, size, data, target, layers, args)
                 results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
                 (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
                 (out / "report.md").write_text(render(results))

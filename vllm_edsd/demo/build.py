@@ -143,12 +143,11 @@ def select_layers(work: Path, target: Path, data: Path) -> Path:
     return layers
 
 
-def training_arguments(args: argparse.Namespace, method: str, data: Path) -> list[str]:
+def training_arguments(args: argparse.Namespace, method: str, data: Path, target: Path, layers: Path) -> list[str]:
     """``edsd train``'s arguments for one drafter of the demo recipe: both methods on the same
     data, order, seed, epochs, TTT budget and draft vocabulary, from one feature extraction
-    (``WORK/cache``); EDSD on EDSelect's layers (``WORK/layers.json``)."""
-    work, target = Path(args.work), demo_target()
-    layers = work / "layers.json"
+    (``WORK/cache``); EDSD on EDSelect's layers (``layers``, from ``select_layers``)."""
+    work = Path(args.work)
     own = ["--layers-from", str(layers)] if method == "edsd" else ["--method", "eagle3"]
     return [*own, "--data", str(data), "--epochs", str(args.draft_epochs), "--ttt-steps", str(args.ttt_steps),
             "--lr", str(args.draft_lr), "--draft-vocab-size", str(args.draft_vocab_size),
@@ -182,12 +181,13 @@ def run(args: argparse.Namespace) -> int:
     data = regenerate_answers(work, target, args)
     if args.stop_after == "regenerate":
         return 0
-    select_layers(work, target, data)
+    layers = select_layers(work, target, data)
     if args.stop_after == "select":
         return 0
     for method in ("edsd", "eagle3"):
         if not finished_checkpoint(work / method / "final"):
-            edsd_stage(["train", str(target), "--out", str(work / method), *training_arguments(args, method, data)])
+            edsd_stage(["train", str(target), "--out", str(work / method),
+                        *training_arguments(args, method, data, target, layers)])
         if args.stop_after == method:
             return 0
     converted = work / "edsd-vllm"

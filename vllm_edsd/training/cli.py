@@ -169,11 +169,11 @@ def regenerate(target: str, conversations: list, cache_dir: Path, max_tokens: in
     each under a key of everything its answers depend on (the target's path and config, the
     chunk's conversations, ``max_tokens``): a rerun regenerates only the chunks not yet
     written, and a run with other inputs never reuses stale answers."""
-    target_config = (Path(target) / "config.json").read_text()
+    identity = [str(Path(target).resolve()), (Path(target) / "config.json").read_text(), max_tokens]
     chunks = [conversations[i : i + REGENERATE_CHUNK] for i in range(0, len(conversations), REGENERATE_CHUNK)]
     paths = []
     for chunk in chunks:
-        key = hashlib.sha256(json.dumps([str(Path(target).resolve()), target_config, max_tokens, chunk]).encode())
+        key = hashlib.sha256(json.dumps([*identity, chunk]).encode())
         paths.append(cache_dir / f"regenerated-{key.hexdigest()[:16]}.jsonl")
     missing = [i for i, path in enumerate(paths) if not path.exists()]
     if missing:

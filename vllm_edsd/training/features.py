@@ -112,6 +112,9 @@ def iterate_batches(
     ``columns`` picks the drafter's layers out of features stored for more (``aux_columns``)."""
     for shard_index in torch.randperm(len(shards), generator=generator).tolist():
         records = torch.load(shards[shard_index], weights_only=True)
+        if columns is not None:  # once per shard, before padding copies them
+            for record in records:
+                record["aux"] = record["aux"][:, columns]
         order = torch.randperm(len(records), generator=generator).tolist()
         order.sort(key=lambda i: len(records[i]["input_ids"]))  # stable: ties keep the random order
         batches = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
@@ -126,8 +129,6 @@ def iterate_batches(
                     out[row, : len(record[key])] = record[key]
                 return out
 
-            aux = pad("aux")
             yield {"input_ids": pad("input_ids").long(), "loss_mask": pad("loss_mask", False),
-                   "aux": aux if columns is None else aux[..., columns], "final": pad("final"),
-                   "target_argmax": pad("target_argmax", -1).long(),
+                   "aux": pad("aux"), "final": pad("final"), "target_argmax": pad("target_argmax", -1).long(),
                    "target_entropy": pad("target_entropy")}
