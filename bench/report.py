@@ -141,6 +141,20 @@ def render(results: dict) -> str:
         out.append(_table(["method", "K", "system prompt", "dtype", "τ", "change"], [
             [r["method"], str(r["k"]), r["system_prompt"], _dtype(r), _fmt(r["tau"]),
              "–" if r.get("tau_drop") is None else f"{r['tau_drop']:+.1%}"] for r in rob]))
+    mix = [r for r in runs if r["suite"] == "mixed"]
+    if mix:
+        out.append("\n## Mixed batch: half the requests opt out of drafting (T=0)\n\n"
+                   "Each half's output tok/s, from the batch's start to the half's last token, with the batch "
+                   "served all at K, all opted out (`extra_args={\"num_speculative_tokens\": 0}`), and half "
+                   "opted out (the odd-numbered requests), in one engine.\n")
+        tok_s = {(r["method"], r["k"], r["half"], r["run"]): r["output_tokens_per_s"] for r in mix}
+        halves = sorted({(r["method"], r["k"], r["batch_size"], r["half"], _dtype(r)) for r in mix},
+                        key=lambda h: (h[0], h[1], h[3]))
+        out.append(_table(
+            ["method", "K", "batch", "half", "dtype", "in half-off", "tok/s all-K", "tok/s all-off", "tok/s half-off"],
+            [[m, str(k), str(b), half, dtype, "drafts" if half == "even" else "opts out",
+              *(_fmt(tok_s.get((m, k, half, run)), ".1f") for run in ("all-K", "all-off", "half-off"))]
+             for m, k, b, half, dtype in halves]))
     return "\n".join(out) + "\n"
 
 

@@ -162,6 +162,20 @@ def reference_chains(target_dir: str, source: str, specforge: bool = False, k: i
     return chains_for
 
 
+# Per-request draft-length caps (extra_args["num_speculative_tokens"]) for the eight prompts of
+# ``trained``, with K=4: none, one, all, the engine's K (no cap) and between.
+CAPS = [0, 1, 4, None, 0, 1, 4, 2]
+
+
+def capped_phase(name: str, prompts: list, caps: list, max_tokens: int) -> dict:
+    """A greedy phase with one cap per prompt (None: no cap), the whole batch at once, every
+    draft step's rows recorded with their caps."""
+    phase = greedy_phase(name, prompts, max_tokens, record_batch=True)
+    phase["sampling"] = [{**phase["sampling"], "extra_args": {} if cap is None else {"num_speculative_tokens": cap}}
+                         for cap in caps]
+    return phase
+
+
 def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: int = 48, **extra) -> dict:
     return {
         "name": name,
@@ -193,17 +207,18 @@ def serve_fitted(trained: dict, engine_runs, key: str, spec: dict | None, eager:
     return engine_runs(key, job)["phases"]["greedy"]
 
 
-def predicted_counters(trained: dict, outputs: list[list[int]], k: int, max_entropy: float | None = None):
+def predicted_counters(trained: dict, outputs: list[list[int]], k: int, max_entropy: float | None = None,
+                       caps: list[int] | None = None):
     """What the reference model, loaded from the unfolded conversion of the trained drafter,
     predicts for these greedy outputs of ``trained["prompts"]`` (with ``max_entropy``: under
-    the adaptive draft length)."""
+    the adaptive draft length; with ``caps``: each request's draft-length cap)."""
     from vllm_edsd.model.edsd import EDSDDraftModel
     from vllm_edsd.target.hidden_states import load_target
     from vllm_edsd.training.acceptance import predict
 
     target = load_target(trained["target"])
     drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
-    return predict(drafter, target, list(zip(trained["prompts"], outputs)), k, max_entropy)
+    return predict(drafter, target, list(zip(trained["prompts"], outputs)), k, max_entropy, caps)
 
 
 def assert_counters_match(predicted, measured: dict) -> None:
@@ -406,15 +421,23 @@ def baseline(models, engine_runs):
     return outputs
 
 
+def completion_body(prompts: list[list[int]], **extra) -> dict:
+    """A greedy completion request for token-id prompts whose answer carries token ids."""
+    return {"model": "toy", "prompt": prompts, "max_tokens": FITTED_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_tokens_as_token_ids": True, "logprobs": 1, **extra}
+
+
+def answer_token_ids(answer: dict) -> list[list[int]]:
+    """The token ids of a completion answer's choices, in prompt order."""
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    return [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
+
+
 def completion_token_ids(base: str, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy completions of token-id prompts, as token ids, in prompt order."""
     import requests
 
-    body = {"model": "toy", "prompt": prompts, "max_tokens": FITTED_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_tokens_as_token_ids": True, "logprobs": 1}
-    choices = sorted(requests.post(f"{base}/v1/completions", json=body, timeout=300).json()["choices"],
-                     key=lambda c: c["index"])
-    return [[int(t.split(":", 1)[1]) for t in c["logprobs"]["tokens"]] for c in choices]
+    return answer_token_ids(requests.post(f"{base}/v1/completions", json=completion_body(prompts), timeout=300).json())
 
 
 def drafting_engines(metrics: str) -> set[str]:

@@ -2,7 +2,7 @@
 greedy output unchanged alone and in a concurrent batch; every draft cut exactly where the
 reference model's entropy says; vLLM's counters count what was verified; a drafter made
 uncertain drafts nothing and a confident one drafts K; the OpenAI server with two
-data-parallel engine cores."""
+data-parallel engine cores; per-request caps under the rule."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import pytest
 import requests
 import torch
 from conftest import (
+    CAPS,
     FITTED_TOKENS,
     SERVER_ARGS,
     SMALL_CACHE,
     abandon_streams,
     assert_counters_match,
     assert_drafts_match,
+    capped_phase,
     completion_token_ids,
     drafting_engines,
     edited_copy,
@@ -79,7 +81,8 @@ def adaptive_run(trained, engine_runs, max_entropy) -> dict:
     job = {"target": trained["target"], "speculative_config": adaptive_spec(trained["edsd"], max_entropy),
            "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
            "phases": [greedy_phase("alone", trained["prompts"], FITTED_TOKENS, record_proposals=True),
-                      greedy_phase("batch", trained["prompts"], FITTED_TOKENS)]}
+                      greedy_phase("batch", trained["prompts"], FITTED_TOKENS),
+                      capped_phase("capped", trained["prompts"], CAPS, FITTED_TOKENS)]}
     return engine_runs("fitted-edsd-adaptive", job)["phases"]
 
 
@@ -99,6 +102,21 @@ def test_drafts_are_cut_where_the_entropy_says(trained, adaptive_run, reference,
     assert assert_drafts_match(trained["prompts"], phase, cut_chains, K) > 8 * 8
     lengths = {len(step[0]) for recorded in phase["proposals"] for step in recorded}
     assert {0, K} < lengths, lengths
+
+
+def test_request_caps_and_the_rule_are_one_limit(trained, adaptive_run, max_entropy, plain_outputs):
+    """Per-request caps in a batch under the adaptive rule: output unchanged, no draft longer
+    than its cap, the rule still cutting below it, and vLLM's counters the reference's replay
+    of chains cut by both (``serving/draft_length.py``: one mechanism)."""
+    phase = adaptive_run["capped"]
+    assert phase["outputs"] == plain_outputs
+    for rows in phase["batch_steps"]:
+        assert all(len(draft) <= (K if cap is None else cap) for cap, draft in rows), rows
+    assert any(len(draft) < cap for rows in phase["batch_steps"] for cap, draft in rows if cap), "the rule cut nothing"
+    caps = [K if cap is None else cap for cap in CAPS]
+    predicted = predicted_counters(trained, phase["outputs"], K, max_entropy, caps)
+    assert_counters_match(predicted, phase["counters"])
+    assert predicted.draft_tokens == pytest.approx(phase["counters"]["draft_tokens"], rel=0.02)
 
 
 def test_tensor_parallel_2_cuts_the_same(trained, engine_runs, adaptive_run, max_entropy):

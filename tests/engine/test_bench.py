@@ -29,7 +29,7 @@ def test_all_suites_and_methods_present(bench_run):
     results = json.loads((bench_run / "results.json").read_text())
     runs = results["runs"]
     assert results["failed_suites"] == {}
-    assert {r["suite"] for r in runs} == {"acceptance", "throughput", "latency", "robustness"}
+    assert {r["suite"] for r in runs} == {"acceptance", "throughput", "latency", "robustness", "mixed"}
     for suite in ("acceptance", "throughput", "latency"):
         assert {r["method"] for r in runs if r["suite"] == suite} == {"none", "ngram", "edsd"}
     assert {r["system_prompt"] for r in runs if r["suite"] == "robustness"} == {
@@ -59,6 +59,21 @@ def test_speedups_are_ratios_within_the_run(bench_run):
     assert any(r["tau"] for r in runs if r["suite"] == "acceptance" and r["method"] == "edsd")
 
 
+def test_mixed_batch_halves_against_all_k_and_all_off(bench_run):
+    """Per drafting method: the batch served all at K, all opted out and half opted out, each
+    half with its own tok/s; nothing is drafted when all opt out, something when half do."""
+    runs = [r for r in json.loads((bench_run / "results.json").read_text())["runs"] if r["suite"] == "mixed"]
+    assert {r["method"] for r in runs} == {"ngram", "edsd"}
+    for method in ("ngram", "edsd"):
+        rows = {(r["run"], r["half"]): r for r in runs if r["method"] == method}
+        assert set(rows) == {(run, half) for run in ("all-K", "all-off", "half-off") for half in ("even", "odd")}
+        for r in rows.values():
+            assert r["output_tokens"] == 2 * 24 and r["output_tokens_per_s"] > 0  # --quick: batch 4, 24 tokens
+        assert rows["all-off", "even"]["tau"] is None
+        assert rows["half-off", "even"]["drafting"] and not rows["half-off", "odd"]["drafting"]
+    assert next(r for r in runs if r["method"] == "edsd" and r["run"] == "half-off")["tau"] is not None
+
+
 def test_latency_rows_from_raw_timings(bench_run):
     runs = json.loads((bench_run / "results.json").read_text())["runs"]
     lat = [r for r in runs if r["suite"] == "latency"]
@@ -78,7 +93,7 @@ def test_report_and_plots(bench_run):
     results = json.loads((bench_run / "results.json").read_text())
     report = (bench_run / "report.md").read_text()
     assert report == render(results)
-    for heading in ("Acceptance", "Throughput", "Latency", "Robustness"):
+    for heading in ("Acceptance", "Throughput", "Latency", "Robustness", "Mixed batch"):
         assert f"## {heading}" in report
     for png in ("acceptance_per_position.png", "speedup_vs_batch.png", "latency_vs_rate.png"):
         assert (bench_run / png).stat().st_size > 1000

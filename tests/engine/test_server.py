@@ -1,5 +1,6 @@
 """The OpenAI-compatible server with ``--speculative-config '{"method":"edsd",...}'``:
-completions and chat, streaming and not, and the spec-decode counters on /metrics."""
+completions and chat, streaming and not, the spec-decode counters on /metrics, and a request's
+own draft length through ``vllm_xargs``."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import signal
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
 from conftest import (
     SERVER_ARGS,
+    answer_token_ids,
     assert_counters_match,
+    completion_body,
     completion_token_ids,
     predicted_counters,
     processes_with,
@@ -51,6 +55,36 @@ def test_completion_is_lossless_and_counts_match_the_reference(server, trained, 
     grown = counters(server) - before
     assert grown.draft_tokens == K * grown.drafts
     assert_counters_match(predicted_counters(trained, outputs, K), grown.as_dict())
+
+
+def test_a_bad_per_request_draft_length_fails_its_own_request_only(server, trained, engine_runs):
+    """Good and bad caps sent at once through ``vllm_xargs``: each bad one gets a 400 naming
+    the field, every good one the target's output, and the server serves on."""
+    plain_outputs = serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
+    xargs = [{"num_speculative_tokens": 9}, {"num_speculative_tokens": 0}, {"num_speculative_tokens": "two"},
+             {"num_speculative_tokens": 1}, {"num_speculative_tokens": -1}, {}, {"num_speculative_tokens": 2.5},
+             {"num_speculative_tokens": 4}]
+    bad = {0, 2, 4, 6}
+
+    def ask(i: int) -> requests.Response:
+        body = completion_body([trained["prompts"][i]], vllm_xargs=xargs[i])
+        return requests.post(f"{server}/v1/completions", json=body, timeout=300)
+
+    before = counters(server)
+    with ThreadPoolExecutor(len(xargs)) as pool:
+        answers = list(pool.map(ask, range(len(xargs))))
+    after = requests.post(f"{server}/v1/completions", json=completion_body(trained["prompts"]), timeout=300)
+    grown = counters(server) - before
+    for i, answer in enumerate(answers):
+        if i in bad:
+            assert answer.status_code == 400, answer.text
+            assert "num_speculative_tokens" in answer.json()["error"]["message"], answer.text
+            assert "from 0 (no drafts) to 4" in answer.json()["error"]["message"], answer.text
+        else:
+            assert answer.status_code == 200, answer.text
+            assert answer_token_ids(answer.json()) == [plain_outputs[i]]
+    assert after.status_code == 200 and answer_token_ids(after.json()) == plain_outputs
+    assert 0 < grown.draft_tokens < K * grown.drafts  # the capped requests drafted fewer than K
 
 
 def test_streaming_completion_matches_non_streaming(server):

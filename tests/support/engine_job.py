@@ -27,27 +27,42 @@ def _drafter(worker):
 
 
 def _install_recorder(worker) -> None:
-    """Wrap the drafter's ``propose`` to keep every chain of draft tokens it returns."""
+    """Wrap the drafter's ``propose`` to keep every chain of draft tokens it returns, and the
+    per-request draft-length cap (``extra_args["num_speculative_tokens"]``) of each row."""
     drafter = _drafter(worker)
     if getattr(drafter, "_edsd_recorded", None) is not None:
         return
-    drafter._edsd_recorded = []
-    original = drafter.propose
+    drafter._edsd_recorded, drafter._edsd_recorded_caps = [], []
+    original, runner = drafter.propose, worker.model_runner
 
     def propose(*args, **kwargs):
-        # A tensor (V1 and V2), or one list per request (adaptive length).
+        # A tensor (V1 and V2), or one list per request (adaptive length, per-request caps).
         draft = original(*args, **kwargs)
         if not kwargs.get("dummy_run", False):  # V2's warm-up and padding runs draft nothing real
             drafter._edsd_recorded.append(draft if isinstance(draft, list) else draft.tolist())
+            drafter._edsd_recorded_caps.append(_row_caps(runner, len(drafter._edsd_recorded[-1])))
         return draft
 
     drafter.propose = propose
 
 
-def _take_recorded(worker) -> list:
+def _row_caps(runner, rows: int) -> list:
+    """The ``num_speculative_tokens`` each row of the runner's batch asked for (None: none;
+    all None on Model Runner V2, which has no V1 ``input_batch``)."""
+    if not hasattr(runner, "input_batch"):
+        return [None] * rows
+    caps = []
+    for req_id in runner.input_batch.req_ids:
+        extra = runner.requests[req_id].sampling_params.extra_args or {}
+        caps.append(extra.get("num_speculative_tokens"))
+    return caps
+
+
+def _take_recorded(worker) -> tuple[list, list]:
     drafter = _drafter(worker)
     recorded, drafter._edsd_recorded = drafter._edsd_recorded, []
-    return recorded
+    caps, drafter._edsd_recorded_caps = drafter._edsd_recorded_caps, []
+    return recorded, caps
 
 
 def preemptions(llm) -> int:
@@ -66,23 +81,37 @@ def main(job_path: str, out_path: str) -> None:
     llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
     result = {"startup_s": time.time() - start, "phases": {}}
     for phase in job["phases"]:
-        params = SamplingParams(**phase["sampling"])
+        # One SamplingParams for the phase, or one per prompt (a list).
+        sampling = phase["sampling"]
+        params = [SamplingParams(**s) for s in sampling] if isinstance(sampling, list) else SamplingParams(**sampling)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in phase["prompts"]]
-        record = phase.get("record_proposals", False)
-        if record:
+        record, record_batch = phase.get("record_proposals", False), phase.get("record_batch", False)
+        if record or record_batch:
             llm.collective_rpc(_install_recorder)
         before, preempted_before = spec_counters(llm), preemptions(llm)
-        outputs, proposals = [], []
-        # Recorded proposals are attributed to a prompt by running prompts one at a time.
+        outputs, proposals, batch_steps, request_metrics = [], [], [], []
+        # Recorded proposals are attributed to a prompt by running prompts one at a time
+        # (``record_batch``: the whole batch at once, each step's rows with their caps).
         one_at_a_time = record or phase.get("one_at_a_time", False)
-        for group in ([[p] for p in prompts] if one_at_a_time else [prompts]):
-            outputs += [list(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False)]
+        groups = [([p], [params[i]] if isinstance(params, list) else params) for i, p in enumerate(prompts)] \
+            if one_at_a_time else [(prompts, params)]
+        for group, group_params in groups:
+            for output in llm.generate(group, group_params, use_tqdm=False):
+                outputs.append(list(output.outputs[0].token_ids))
+                # vLLM's per-request spec-decode metrics, where it has them and they are on.
+                metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
+                request_metrics.append(None if metrics is None else metrics.to_dict())
             if record:
-                proposals.append(llm.collective_rpc(_take_recorded)[0])
+                proposals.append(llm.collective_rpc(_take_recorded)[0][0])
+        if record_batch:
+            drafts, caps = llm.collective_rpc(_take_recorded)[0]
+            batch_steps = [list(zip(c, d, strict=True)) for c, d in zip(caps, drafts, strict=True)]
         result["phases"][phase["name"]] = {
             "outputs": outputs,
             "counters": (spec_counters(llm) - before).as_dict(),
             "proposals": proposals,
+            "batch_steps": batch_steps,
+            "request_metrics": request_metrics,
             "preemptions": preemptions(llm) - preempted_before,
         }
     with open(out_path, "w") as f:

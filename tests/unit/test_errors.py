@@ -5,14 +5,16 @@ asked for them exits instead of hanging."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from conftest import edsd_spec as spec
 from conftest import engine_config
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.adaptive import AdaptiveDraftLength, check_runner
+from vllm_edsd.serving.draft_length import AdaptiveDraftLength, check_request_cap, check_runner
 from vllm_edsd.serving.plugin import version_supported
 
 
@@ -85,9 +87,30 @@ def test_adaptive_draft_length_is_refused_where_drafts_have_one_width(v2, async_
     """Model Runner V2 and asynchronous scheduling hand drafts on as one fixed-width tensor.
     Neither can run on this CPU build (V2 needs Triton, and the CPU platform turns asynchronous
     scheduling off), so the check that the engine-config hook applies is called directly."""
-    check_runner(use_v2_model_runner=False, async_scheduling=False)
-    with pytest.raises(EDSDError, match=expected):
-        check_runner(use_v2_model_runner=v2, async_scheduling=async_scheduling)
+    check_runner("'adaptive_draft_length'", use_v2_model_runner=False, async_scheduling=False)
+    with pytest.raises(EDSDError, match="'adaptive_draft_length' " + expected):
+        check_runner("'adaptive_draft_length'", use_v2_model_runner=v2, async_scheduling=async_scheduling)
+
+
+@pytest.mark.vllm_range
+@pytest.mark.parametrize("n", [-1, 5, 2.0, "2", True, None, [1]])
+def test_bad_per_request_draft_length_is_refused(models, n):
+    """The front end's check on ``extra_args["num_speculative_tokens"]`` (K=4 here), on vLLM's
+    own engine config."""
+    config = engine_config(models["llama"], spec(models["llama-edsd"]))
+    for good in (0, 1, 4):
+        check_request_cap({"num_speculative_tokens": good}, config)
+    check_request_cap({"other_plugin_key": 1}, config)
+    with pytest.raises(EDSDError, match=r"an integer from 0 \(no drafts\) to 4 .*got " + re.escape(repr(n))):
+        check_request_cap({"num_speculative_tokens": n}, config)
+
+
+@pytest.mark.vllm_range
+def test_per_request_draft_length_needs_a_speculating_engine(models):
+    config = engine_config(models["llama"], None)
+    check_request_cap(None, config)
+    with pytest.raises(EDSDError, match="this engine does not speculate"):
+        check_request_cap({"num_speculative_tokens": 0}, config)
 
 
 @pytest.mark.parametrize("case", ["mistyped relative path", "hub id with the hub switched off"])
@@ -144,3 +167,23 @@ def test_good_config_resolves_to_vllms_eagle3_path(models):
 
 
 
+
+
+def test_request_caps_are_read_per_row_and_cut_the_drafts():
+    """The runner's view: each row's cap from its request's extra_args (K without one), none at
+    all while no request asks for fewer than K; drafts (a tensor or lists) cut row by row."""
+    import torch
+    from vllm import SamplingParams
+
+    from vllm_edsd.serving.draft_length import cut, request_caps
+
+    def state(**extra):
+        return SimpleNamespace(sampling_params=SamplingParams(extra_args=extra or None))
+
+    requests = {"a": state(num_speculative_tokens=0), "b": state(), "c": state(num_speculative_tokens=2),
+                "d": state(num_speculative_tokens=4), "pooling": SimpleNamespace(sampling_params=None)}
+    assert request_caps(["a", "b", "c", "d", "pooling"], requests, 4) == [0, 4, 2, 4, 4]
+    assert request_caps(["b", "d", "pooling"], requests, 4) is None
+    drafts = torch.arange(12).view(3, 4)
+    assert cut(drafts, [0, 4, 2]) == [[], [4, 5, 6, 7], [8, 9]]
+    assert cut([[1, 2], [3], []], [1, 0, 2]) == [[1], [], []]

@@ -21,7 +21,7 @@ from support.toy import make_drafter
 from vllm_edsd.checkpoint.layouts import EDSD_TRAINING
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.adaptive import CONFIG_ATTRIBUTE, AdaptiveDraftLength
+from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, AdaptiveDraftLength
 from weights_convert import convert
 
 BIG = 10**9
@@ -361,7 +361,7 @@ def test_target_embedding_is_the_only_tensor_read(models, training_ckpt, tmp_pat
 def test_adaptive_attach_is_idempotent(models):
     from torch import nn
 
-    from vllm_edsd.serving.adaptive import AdaptiveProposer
+    from vllm_edsd.serving.draft_length import DraftLengthLimiter, limiter_of
     from vllm_edsd.serving.plugin import attach
     from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM
 
@@ -377,5 +377,6 @@ def test_adaptive_attach_is_idempotent(models):
     attach(proposer)
     hook = proposer.propose
     attach(proposer)
-    assert proposer.propose == hook and isinstance(hook.__self__, AdaptiveProposer)
+    assert proposer.propose == hook and isinstance(hook.__self__, DraftLengthLimiter)
+    assert limiter_of(proposer) is hook.__self__
     assert hook.__self__._propose is propose

@@ -39,6 +39,8 @@ def test_every_replacement_is_logged_once():
     applied, log = start_plugin()
     assert applied["vllm.config.SpeculativeConfig.__init__"]
     assert applied["vllm.engine.arg_utils.EngineArgs.create_engine_config"]
+    assert applied["vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids"]
+    assert applied["vllm.v1.engine.input_processor.InputProcessor._validate_params"]
     for name, is_applied in applied.items():
         assert log.count(f"vllm-edsd: replaced {name} ") == int(is_applied), name
     assert log.count("vllm-edsd: registered the speculators model type 'edsd'") == 1

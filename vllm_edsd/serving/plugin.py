@@ -6,7 +6,7 @@
   check the drafter and translate the method to ``"eagle3"`` before pydantic validates
   it. Everything downstream (aux hidden states, the EAGLE proposer, KV lookahead, the
   rejection sampler, metrics, compilation) is vLLM's own EAGLE-3 path.
-* The ``adaptive_draft_*`` fields are the plugin's own (``adaptive.py``): taken out before
+* The ``adaptive_draft_*`` fields are the plugin's own (``draft_length.py``): taken out before
   vLLM validates the config, carried to the workers on the drafter's hf_config, checked
   against the runner once the engine config exists, and applied by hooking the V1 EAGLE
   proposer after it loads.
@@ -33,7 +33,7 @@ from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.model.edsd import check_tensors
-from vllm_edsd.serving import adaptive, cpu_sampling, preflight
+from vllm_edsd.serving import cpu_sampling, draft_length, preflight
 from vllm_edsd.serving.patching import Patch
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
@@ -82,7 +82,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
         raise EDSDError(
             f"speculative config: unknown field(s) {', '.join(map(repr, unknown))} "
             f"(valid fields include: method, model, num_speculative_tokens, draft_sample_method, "
-            f"{', '.join(adaptive.FIELDS)})"
+            f"{', '.join(draft_length.FIELDS)})"
         )
     k = kwargs.get("num_speculative_tokens")
     if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -100,7 +100,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
     if not preflight.locate(model):
         return None
     raw = read_config_json(model)
-    adaptive.refuse_checkpoint_settings(raw, f"{model}/config.json")
+    draft_length.refuse_checkpoint_settings(raw, f"{model}/config.json")
     # Header-only reads: a broken checkpoint fails here, naming the tensor, rather than
     # deep inside an engine worker.
     shapes = tensor_shapes(model)
@@ -150,14 +150,14 @@ def _checked_speculative_init(original: Callable) -> Callable:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         with _errors_for_the_user():
             if kwargs.get("method") != METHOD:
-                stray = sorted(set(kwargs) & set(adaptive.FIELDS))
+                stray = sorted(set(kwargs) & set(draft_length.FIELDS))
                 if stray:
                     raise EDSDError(f"speculative config: {', '.join(map(repr, stray))} is an option of "
                                     f"\"method\": \"{METHOD}\", not of {kwargs.get('method')!r}")
                 original(self, *args, **kwargs)
                 return
             kwargs = dict(kwargs)
-            adaptive_length = adaptive.AdaptiveDraftLength.pop_from(kwargs)
+            adaptive_length = draft_length.AdaptiveDraftLength.pop_from(kwargs)
             drafter = check_speculative_request(kwargs, known_fields)
             original(self, *args, **{**kwargs, "method": "eagle3"})
             if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
@@ -170,7 +170,7 @@ def _checked_speculative_init(original: Callable) -> Callable:
             target = TargetFingerprint.from_hf_config(self.target_model_config.hf_text_config)
             drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
             if adaptive_length is not None:
-                setattr(self.draft_model_config.hf_config, adaptive.CONFIG_ATTRIBUTE, adaptive_length.as_dict())
+                setattr(self.draft_model_config.hf_config, draft_length.CONFIG_ATTRIBUTE, adaptive_length.as_dict())
 
     return __init__
 
@@ -186,42 +186,79 @@ def _checked_engine_config(original: Callable) -> Callable:
         config = original(self, *args, **kwargs)
         spec = config.speculative_config
         draft = None if spec is None else spec.draft_model_config
-        if draft is not None and adaptive.AdaptiveDraftLength.of(draft.hf_config) is not None:
+        if draft is not None and draft_length.AdaptiveDraftLength.of(draft.hf_config) is not None:
             with _errors_for_the_user():
-                adaptive.check_runner(bool(getattr(config, "use_v2_model_runner", False)),
-                                      bool(config.scheduler_config.async_scheduling))
+                draft_length.check_runner(repr(draft_length.ENABLE),
+                                          bool(getattr(config, "use_v2_model_runner", False)),
+                                          bool(config.scheduler_config.async_scheduling))
         return config
 
     return create_engine_config
 
 
 def attach(proposer: Any) -> None:
-    """Hook ``proposer`` if it drives an EDSD drafter whose config asks for adaptive drafting.
-
-    Called after vLLM's ``load_model`` on every V1 EAGLE proposer."""
+    """Hook a loaded V1 EAGLE-family proposer with the draft-length limiter (per-request caps;
+    the adaptive rule too when it drives an EDSD drafter whose config asks for it)."""
     from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
 
+    if draft_length.limiter_of(proposer) is not None:
+        return  # hooked already (load_model called again): a second hook would wrap the first
     model = proposer.model
     model = model.unwrap() if hasattr(model, "unwrap") else model
-    if not isinstance(model, EDSDLlamaForCausalLM) or model.adaptive is None:
-        return
-    if isinstance(getattr(proposer.propose, "__self__", None), adaptive.AdaptiveProposer):
-        return  # hooked already (load_model called again): a second hook would wrap the first
-    if getattr(proposer, "use_local_argmax_reduction", False):
-        raise EDSDError(f"{adaptive.ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
+    settings = model.adaptive if isinstance(model, EDSDLlamaForCausalLM) else None
+    if settings is not None and getattr(proposer, "use_local_argmax_reduction", False):
+        raise EDSDError(f"{draft_length.ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
     data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1
-    adaptive.AdaptiveProposer(proposer, model, model.adaptive, data_parallel)
+    draft_length.DraftLengthLimiter(proposer, model, settings, data_parallel)
 
 
 def _hooked_proposer_loading(original: Callable) -> Callable:
-    """``load_model`` of vLLM's V1 EAGLE proposer that then hooks it for the adaptive draft
-    length (``attach`` leaves every other proposer alone)."""
+    """``load_model`` of vLLM's V1 EAGLE proposer that then hooks it (``attach``)."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         attach(self)
 
     return load_model
+
+
+def _capped_drafting(original: Callable) -> Callable:
+    """The V1 runner's ``propose_draft_token_ids`` that honours each request's draft-length
+    cap: handed to a hooked proposer (its loop ends early), applied to any other's drafts."""
+
+    def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
+        caps = draft_length.request_caps(self.input_batch.req_ids, self.requests,
+                                         self.speculative_config.num_speculative_tokens)
+        limiter = draft_length.limiter_of(self.drafter)
+        if limiter is not None:
+            limiter.caps = caps
+        try:
+            drafts = original(self, *args, **kwargs)
+        finally:
+            if limiter is not None:
+                limiter.caps = None
+        return drafts if caps is None else draft_length.cut(drafts, caps)
+
+    return propose_draft_token_ids
+
+
+def _checked_request_params(original: Callable) -> Callable:
+    """The front end's ``_validate_params`` that also checks a request's draft-length cap, so
+    a bad one fails that request alone (the server answers 400)."""
+
+    from vllm.exceptions import VLLMValidationError
+
+    def _validate_params(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, params, *args, **kwargs)
+        extra_args = getattr(params, "extra_args", None)
+        try:
+            draft_length.check_request_cap(extra_args, self.vllm_config)
+        except EDSDError as exc:  # vLLM's client error: the server answers 400, the engine goes on
+            raise VLLMValidationError(str(exc), parameter=draft_length.REQUEST_KEY,
+                                      value=extra_args[draft_length.REQUEST_KEY]) from None
+        return result
+
+    return _validate_params
 
 
 def speculators_pre_trained_config(config_dict: dict, pre_trained_config: dict) -> None:
@@ -245,8 +282,9 @@ def _register_speculators_type() -> None:
     logger.debug("vllm-edsd: registered the speculators model type %r", METHOD)
 
 
-# Every vLLM attribute vllm-edsd replaces (docs/architecture.md, "Patches"). The adaptive draft
-# length also hooks two methods on one proposer *instance* (``adaptive.AdaptiveProposer``).
+# Every vLLM attribute vllm-edsd replaces (docs/architecture.md, "Patches"). The draft-length
+# limiter also hooks two methods on each V1 EAGLE-family proposer *instance*
+# (``draft_length.DraftLengthLimiter``).
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.config:SpeculativeConfig", "__init__",
           "check an \"edsd\" request and hand vLLM \"eagle3\" before pydantic validates the method",
@@ -255,7 +293,12 @@ PATCHES: tuple[Patch, ...] = (
           "look for a drafter directory's verifier; refuse the adaptive draft length on Model Runner V2 or "
           "async scheduling", _checked_engine_config),
     Patch("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "load_model",
-          "hook the loaded EDSD proposer for the adaptive draft length", _hooked_proposer_loading),
+          "hook the loaded proposer with the draft-length limiter (per-request caps, the adaptive rule)",
+          _hooked_proposer_loading),
+    Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids",
+          "hand each request's draft-length cap to the proposer, cut the drafts to it", _capped_drafting),
+    Patch("vllm.v1.engine.input_processor:InputProcessor", "_validate_params",
+          "refuse a request's bad draft-length cap for that request alone", _checked_request_params),
     Patch("vllm.platforms.cpu:CpuPlatform", "register_triton_kernel_overrides",
           "check the rejection sampler's expansion once vLLM's CPU kernels are in place",
           cpu_sampling.after_kernel_overrides,

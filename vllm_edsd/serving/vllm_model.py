@@ -8,7 +8,7 @@ type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
 * ``forward``: EDFuse on (feature, token embedding), one stock Llama decoder layer, RMSNorm;
   it returns (normed states for the logits, pre-norm states fed back to the next step);
 * ``compute_logits`` also records the draft entropy when the draft length is adaptive
-  (``adaptive.py``).
+  (``draft_length.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from vllm_edsd.checkpoint.config import LAYERNORM, EDSDConfig, TargetFingerprint
 from vllm_edsd.checkpoint.layouts import EDSD_VLLM, KV_SCALE, ROPE_CACHES, unexpected_hint
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.model.edsd import draft_entropy, expected_shapes
-from vllm_edsd.serving.adaptive import AdaptiveDraftLength
+from vllm_edsd.serving.draft_length import AdaptiveDraftLength
 
 # vLLM-layout tensor name -> parameter name; names not listed (``lm_head.*``) keep theirs, and
 # ``t2d`` is dropped: ``d2t`` alone maps the vocabulary.

@@ -62,17 +62,18 @@ def kept_lengths(entropy: torch.Tensor, max_entropy: float | None) -> torch.Tens
 
 @torch.no_grad()
 def predict(drafter, target_model, generations: list[tuple[list[int], list[int]]], k: int,
-            max_entropy: float | None = None) -> SpecCounters:
+            max_entropy: float | None = None, caps: Sequence[int] | None = None) -> SpecCounters:
     """Counters the reference ``drafter`` predicts for (prompt, greedy output) pairs; with
-    ``max_entropy``, under the adaptive draft length (``serving/adaptive.py``)."""
+    ``max_entropy``, under the adaptive draft length; with ``caps``, each generation's drafts
+    at most its cap long (a per-request draft length, ``serving/draft_length.py``)."""
     layer_ids = drafter.config.aux_layer_ids
     results = []
-    for prompt, output in generations:
+    for i, (prompt, output) in enumerate(generations):
         sequence = prompt + output
         ids = torch.tensor([sequence])
         features = run_target(target_model, ids, layer_ids).features(layer_ids).to(next(drafter.parameters()).dtype)
         chains, entropy = drafter.propose_with_entropy(features[:, :-1], ids[:, 1:], k)
-        lengths = kept_lengths(entropy[0], max_entropy).tolist()
+        lengths = kept_lengths(entropy[0], max_entropy).clamp(max=k if caps is None else caps[i]).tolist()
         # Row p drafts after the context x_0..x_{p+1}: the context ending at c is row c - 1.
         results.append(replay(sequence, len(prompt), k, lambda c: chains[0, c - 1, :lengths[c - 1]].tolist()))  # noqa: B023 (called at once)
     return total(results)
