@@ -407,6 +407,12 @@ def engine_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def plain_outputs(trained, engine_runs) -> list[list[int]]:
+    """The fitted target's greedy outputs of ``trained["prompts"]`` without speculation."""
+    return serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
+
+
+@pytest.fixture(scope="session")
 def baseline(models, engine_runs):
     """Greedy outputs of each toy target without speculation."""
 

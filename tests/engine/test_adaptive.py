@@ -38,11 +38,6 @@ K = 4
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(trained, engine_runs) -> list[list[int]]:
-    return serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
-
-
-@pytest.fixture(scope="module")
 def reference(trained):
     """``chains_for(sequence) -> (chains [T, K], entropy [T, K])`` of the reference model
     loaded from the trained drafter's unfolded conversion."""

@@ -14,15 +14,9 @@ from conftest import (
     capped_phase,
     edsd_spec,
     predicted_counters,
-    serve_fitted,
 )
 
 K = 4
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(trained, engine_runs) -> list[list[int]]:
-    return serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
 
 
 @pytest.fixture(scope="module")

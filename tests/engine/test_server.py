@@ -57,10 +57,9 @@ def test_completion_is_lossless_and_counts_match_the_reference(server, trained, 
     assert_counters_match(predicted_counters(trained, outputs, K), grown.as_dict())
 
 
-def test_a_bad_per_request_draft_length_fails_its_own_request_only(server, trained, engine_runs):
+def test_a_bad_per_request_draft_length_fails_its_own_request_only(server, trained, plain_outputs):
     """Good and bad caps sent at once through ``vllm_xargs``: each bad one gets a 400 naming
     the field, every good one the target's output, and the server serves on."""
-    plain_outputs = serve_fitted(trained, engine_runs, "pipeline-none", None)["outputs"]
     xargs = [{"num_speculative_tokens": 9}, {"num_speculative_tokens": 0}, {"num_speculative_tokens": "two"},
              {"num_speculative_tokens": 1}, {"num_speculative_tokens": -1}, {}, {"num_speculative_tokens": 2.5},
              {"num_speculative_tokens": 4}]
