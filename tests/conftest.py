@@ -306,8 +306,11 @@ def trained(fitted_target, tmp_path_factory) -> dict:
     target = fitted_target
     make_drafter(target, root / "untrained", draft_vocab_size=256)
     assert main(["select", target, "--data", str(data), "--samples", "8", "--out", str(root / "layers.json")]) == 0
+    # one regeneration and one feature extraction (vLLM's, the default) for both methods
+    selected = json.loads((root / "layers.json").read_text())["aux_layer_ids"]
     common = ["--data", str(data), "--regenerate", "--max-length", "96", "--draft-vocab-size", "256",
-              "--epochs", "8", "--ttt-steps", "3", "--lr", "1e-2", "--batch-size", "4"]
+              "--epochs", "8", "--ttt-steps", "3", "--lr", "1e-2", "--batch-size", "4", "--cache", str(root / "cache"),
+              "--feature-layers", ",".join(map(str, sorted({*selected, 1, 2, 3})))]
     assert (
         main(["train", target, "--out", str(root / "edsd"), "--layers-from", str(root / "layers.json"), *common]) == 0
     )

@@ -19,6 +19,8 @@ from vllm_edsd.command import add_parser, invoke
 COMMANDS = {
     "convert": "vllm_edsd.conversion.cli",
     "select": "vllm_edsd.target.select_cli",
+    "regenerate": "vllm_edsd.training.regenerate_cli",
+    "features": "vllm_edsd.training.features_cli",
     "train": "vllm_edsd.training.cli",
     "demo": "vllm_edsd.demo",
     "build-demo": "vllm_edsd.demo.build",
@@ -30,6 +32,8 @@ typical flow for a new target:
   edsd train TARGET --out runs/edsd --layers-from layers.json
   edsd convert runs/edsd/final drafter          # training layout -> vLLM layout
   vllm serve TARGET --speculative-config '{"method":"edsd","model":"drafter","num_speculative_tokens":4}'
+at scale (docs/scale.md): edsd regenerate, edsd features (vLLM, tensor parallel), then
+  torchrun --nproc-per-node N -m vllm_edsd train ...   or   edsd pipeline CONFIG
 """
 
 

@@ -174,7 +174,8 @@ def chat_data(tmp_path_factory):
 
 def train(models, data, out, *extra) -> int:
     return main(["train", models["llama"], "--out", str(out), "--data", str(data), "--draft-vocab-size", "256",
-                 "--lr", "3e-3", "--epochs", "3", "--ttt-steps", "3", "--batch-size", "4", *map(str, extra)])
+                 "--lr", "3e-3", "--epochs", "3", "--ttt-steps", "3", "--batch-size", "4",
+                 "--features-backend", "transformers", *map(str, extra)])
 
 
 def test_edsd_training_learns_and_reloads(models, chat_data, tmp_path):
@@ -213,7 +214,8 @@ def test_interrupted_training_resumes_to_the_same_result(models, chat_data, tmp_
     assert train(models, chat_data, tmp_path / "full", *args) == 0
     cut = tmp_path / "cut"
     cmd = [sys.executable, "-m", "vllm_edsd.cli", "train", models["llama"], "--out", str(cut), "--data", str(chat_data),
-           "--draft-vocab-size", "256", "--lr", "3e-3", "--ttt-steps", "3", "--batch-size", "4", *args]
+           "--draft-vocab-size", "256", "--lr", "3e-3", "--ttt-steps", "3", "--batch-size", "4",
+           "--features-backend", "transformers", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (cut / "training_state.pt").exists() and time.time() < deadline and proc.poll() is None:
@@ -253,18 +255,18 @@ def test_both_methods_share_one_feature_extraction(models, chat_data, tmp_path):
 def test_a_prefix_of_the_samples_reuses_its_shards(models, monkeypatch, tmp_path):
     """Shards are named by their content: a run on more samples (a learning curve's next
     size) reuses the shards of the samples it shares and extracts only the rest."""
-    from vllm_edsd.target.hidden_states import load_target
+    from vllm_edsd.target.hidden_states import TransformersFeatures, load_target
     from vllm_edsd.training import features
 
     monkeypatch.setattr(features, "SHARD_SIZE", 2)
-    target = load_target(models["llama"])
+    target = TransformersFeatures(load_target(models["llama"]), (1, 3))
     samples = [([1, 5 + i, 6, 7 + i], [0, 1, 1, 1]) for i in range(5)]
-    first = features.extract_features(target, samples[:4], (1, 3), tmp_path, key="k")
+    first = features.extract_features(target, samples[:4], tmp_path, key="k")
     written = {p: p.stat().st_mtime_ns for p in first}
-    more = features.extract_features(target, samples, (1, 3), tmp_path, key="k")
+    more = features.extract_features(target, samples, tmp_path, key="k")
     assert more[:2] == first and {p: p.stat().st_mtime_ns for p in first} == written
     assert len(more) == 3 and len(set(tmp_path.iterdir())) == 3
-    other_key = features.extract_features(target, samples[:2], (1, 3), tmp_path, key="other")
+    other_key = features.extract_features(target, samples[:2], tmp_path, key="other")
     assert other_key[0] not in more
 
 

@@ -8,6 +8,7 @@ so features are captured with forward pre-hooks instead: one definition for ever
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,3 +106,48 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) of the target's predictive distribution, per position."""
     logp = torch.log_softmax(logits.float(), -1)
     return -(logp.exp() * logp).sum(-1)
+
+
+@dataclass
+class SampleFeatures:
+    """What training keeps of one sample's target forward (``training/features.py`` stores it):
+    the chosen layers' features, the lm_head input, and the target's argmax and entropy, which
+    would otherwise cost a full-vocabulary product in every training step."""
+
+    aux: torch.Tensor  # [n, len(layers) * d_t], ascending layer ids
+    final: torch.Tensor  # [n, d_t]
+    argmax: torch.Tensor  # [n]
+    entropy: torch.Tensor  # [n], nats over the full vocabulary
+
+
+class TransformersFeatures:
+    """Target features from a transformers model, ``batch_size`` samples per padded forward
+    (the fallback where vLLM cannot extract them, ``vllm_features.py``)."""
+
+    backend = "transformers"
+
+    def __init__(self, model, layer_ids: tuple[int, ...], *, batch_size: int = 4, device: str = "cpu"):
+        self.model, self.layer_ids, self.batch_size, self.device = model, layer_ids, batch_size, device
+
+    def __enter__(self) -> TransformersFeatures:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def features(self, samples: Sequence[list[int]]) -> list[SampleFeatures]:
+        """One ``SampleFeatures`` per token list, in order."""
+        found = []
+        for b in range(0, len(samples), self.batch_size):
+            batch = samples[b : b + self.batch_size]
+            width = max(len(tokens) for tokens in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            attention = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, tokens in enumerate(batch):
+                ids[row, : len(tokens)] = torch.tensor(tokens)
+                attention[row, : len(tokens)] = 1
+            out = run_target(self.model, ids.to(self.device), self.layer_ids, attention.to(self.device))
+            aux, argmax, entropy = out.features(self.layer_ids), out.logits.argmax(-1), token_entropy(out.logits)
+            found += [SampleFeatures(aux[row, :n], out.final_hidden[row, :n], argmax[row, :n], entropy[row, :n])
+                      for row, n in enumerate(len(tokens) for tokens in batch)]
+        return found

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,9 +24,12 @@ from tqdm import tqdm
 
 from vllm_edsd.checkpoint.files import replace_file
 from vllm_edsd.data import Conversation, render_many
-from vllm_edsd.target.hidden_states import run_target, token_entropy
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.target.hidden_states import TransformersFeatures, load_target
+from vllm_edsd.target.vllm_features import VLLMFeatures, unavailable_reason
 
 SHARD_SIZE = 64
+BACKENDS = ("auto", "vllm", "transformers")  # auto: vLLM where it can extract, else transformers
 CACHE_FORMAT = 2  # bump when a record's fields change: the key then misses old caches
 
 
@@ -38,9 +42,12 @@ def tokenize_conversations(
     return [(ids, mask) for ids, mask in samples if sum(mask[2:]) >= 2], skipped
 
 
-def feature_key(target: str, layer_ids: tuple[int, ...], dtype: str) -> str:
-    """What every shard's features depend on besides its samples: format, target, layers, dtype."""
-    return json.dumps([CACHE_FORMAT, str(Path(target).resolve()), list(layer_ids), dtype])
+def feature_key(target: str, layer_ids: tuple[int, ...], dtype: str, backend: str = "transformers") -> str:
+    """What every shard's features depend on besides its samples: format, target, layers, dtype,
+    and the engine that ran the target (vLLM's kernels round differently; transformers' shards
+    keep the keys they had before vLLM could extract)."""
+    engine = [] if backend == "transformers" else [backend]
+    return json.dumps([CACHE_FORMAT, str(Path(target).resolve()), list(layer_ids), dtype, *engine])
 
 
 def shard_path(cache_dir: Path, key: str, chunk: list[tuple[list[int], list[int]]]) -> Path:
@@ -52,50 +59,57 @@ def shard_path(cache_dir: Path, key: str, chunk: list[tuple[list[int], list[int]
     return cache_dir / f"shard-{digest.hexdigest()[:20]}.pt"
 
 
+def feature_source(
+    backend: str, target: str, layer_ids: tuple[int, ...], *, dtype: str, max_length: int, device: str,
+    engine_args: dict | None = None,
+) -> TransformersFeatures | VLLMFeatures:
+    """What runs the target for its features: vLLM's extraction where the installed vLLM has
+    it (``auto``, the default, or ``vllm``; ``engine_args`` go to its ``LLM``), else
+    transformers, with one line saying why."""
+    if backend not in BACKENDS:
+        raise EDSDError(f"unknown features backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if backend != "transformers":
+        reason = unavailable_reason()
+        if reason is None:
+            return VLLMFeatures(target, layer_ids, dtype=dtype, max_length=max_length, **(engine_args or {}))
+        if backend == "vllm":
+            raise EDSDError(f"--features-backend vllm: {reason}")
+        print(f"target features through transformers: {reason}")
+    return TransformersFeatures(load_target(target, dtype=getattr(torch, dtype), device=device), layer_ids,
+                                device=device)
+
+
 def extract_features(
-    target_model,
-    samples: list[tuple[list[int], list[int]]],
-    layer_ids: tuple[int, ...],
-    cache_dir: Path,
-    *,
-    key: str = "",
-    batch_size: int = 4,
-    device: str = "cpu",
+    source, samples: list[tuple[list[int], list[int]]], cache_dir: Path, *, key: str = ""
 ) -> list[Path]:
     """Shard files of target features for ``samples`` (SHARD_SIZE each, in order) in
-    ``cache_dir``; shards already there (same ``key`` and samples) are reused, not recomputed."""
+    ``cache_dir``; shards already there (same ``key`` and samples) are reused, not recomputed.
+    ``source`` computes the features (``TransformersFeatures`` or ``VLLMFeatures``, an open
+    context: vLLM's engine starts only when a shard is missing)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    shards = []
+    shards, new_positions, started = [], 0, time.time()
     starts = range(0, len(samples), SHARD_SIZE)
-    for start in tqdm(starts, desc="target features", unit="shard"):
+    for start in tqdm(starts, desc=f"target features ({source.backend})", unit="shard"):
         path = shard_path(cache_dir, key, samples[start : start + SHARD_SIZE])
         shards.append(path)
         if path.exists():
             continue
-        records = []
         chunk = sorted(samples[start : start + SHARD_SIZE], key=lambda sample: len(sample[0]))  # little padding
-        for b in range(0, len(chunk), batch_size):
-            batch = chunk[b : b + batch_size]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            attention = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, (tokens, _) in enumerate(batch):
-                ids[row, : len(tokens)] = torch.tensor(tokens)
-                attention[row, : len(tokens)] = 1
-            out = run_target(target_model, ids.to(device), layer_ids, attention.to(device))
-            aux = out.features(layer_ids)
-            argmax, entropy = out.logits.argmax(-1), token_entropy(out.logits)
-            for row, (tokens, mask) in enumerate(batch):
-                n = len(tokens)
-                records.append({
-                    "input_ids": torch.tensor(tokens, dtype=torch.int32),
-                    "loss_mask": torch.tensor(mask, dtype=torch.bool),
-                    "aux": aux[row, :n].to(torch.bfloat16).cpu(),
-                    "final": out.final_hidden[row, :n].to(torch.bfloat16).cpu(),
-                    "target_argmax": argmax[row, :n].to(torch.int32).cpu(),
-                    "target_entropy": entropy[row, :n].float().cpu(),
-                })
+        found = source.features([tokens for tokens, _ in chunk])
+        new_positions += sum(len(tokens) for tokens, _ in chunk)
+        records = [{
+            "input_ids": torch.tensor(tokens, dtype=torch.int32),
+            "loss_mask": torch.tensor(mask, dtype=torch.bool),
+            "aux": f.aux.to(torch.bfloat16).cpu(),
+            "final": f.final.to(torch.bfloat16).cpu(),
+            "target_argmax": f.argmax.to(torch.int32).cpu(),
+            "target_entropy": f.entropy.float().cpu(),
+        } for (tokens, mask), f in zip(chunk, found)]
         replace_file(path, lambda tmp: torch.save(records, tmp))  # noqa: B023 (called at once)
+    if new_positions:
+        seconds = time.time() - started  # with the engine's start-up, as a user waits for it
+        print(f"target features ({source.backend}): {new_positions:,} positions in {seconds:.0f} s, "
+              f"{new_positions / seconds:,.0f} positions/s")
     return shards
 
 

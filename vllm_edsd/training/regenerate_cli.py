@@ -1,0 +1,59 @@
+"""``edsd regenerate``: the target answers the training prompts itself, through vLLM's batched
+generation (greedy, chat template applied), so that a drafter learns the target's own
+distribution (docs/architecture.md, "Data flow"; docs/scale.md).
+
+Resumable: answers are cached in chunks under ``--cache``; a rerun generates only the chunks
+not yet written. ``--vllm-args`` passes engine arguments (tensor parallelism...) to vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.data import load_conversations, load_sharegpt
+from vllm_edsd.errors import EDSDError
+
+from .cli import add_vllm_arguments, regenerate
+
+EPILOG = """\
+examples:
+  edsd regenerate TARGET --out answers.jsonl --max-samples 5000                # ShareGPT, seeded order
+  edsd regenerate TARGET --out answers.jsonl --data prompts.jsonl --vllm-args '{"tensor_parallel_size": 8}'
+then: edsd features / edsd train TARGET --data answers.jsonl ...
+"""
+
+# The `edsd regenerate` subcommand (vllm_edsd.command).
+name = "regenerate"
+help = "answer the training prompts with the target itself, through vLLM (resumable)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.epilog = EPILOG
+    parser.add_argument("target", help="target model directory (transformers format)")
+    parser.add_argument("--out", required=True, help="JSON lines of the answered conversations ({'messages': [...]})")
+    parser.add_argument("--data", help="JSON/JSONL conversations whose user turns are answered (default: ShareGPT)")
+    parser.add_argument("--max-samples", type=int, default=None, help="conversations to answer (default all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of ShareGPT's order (default 0)")
+    parser.add_argument("--answer-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
+    parser.add_argument("--cache", help="where answered chunks are kept (default: OUT's directory/regenerate-cache)")
+    add_vllm_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag in ("max_samples", "answer_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise EDSDError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    out = Path(args.out)
+    conversations = (
+        load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
+    )
+    cache = Path(args.cache) if args.cache else out.parent / "regenerate-cache"
+    answered = regenerate(args.target, conversations, cache, args.answer_tokens, args.vllm_args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(out, lambda tmp: tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in answered)))
+    print(f"regenerate: {len(answered)} of {len(conversations)} conversations answered by the target -> {out}")
+    return 0
