@@ -83,13 +83,18 @@ def test_adaptive_draft_length_is_accepted_on_the_v1_runner(models):
     (True, False, "runs on vLLM's V1 model runner.*VLLM_USE_V2_MODEL_RUNNER=0"),
     (False, True, "needs synchronous scheduling.*--no-async-scheduling"),
 ])
-def test_adaptive_draft_length_is_refused_where_drafts_have_one_width(v2, async_scheduling, expected):
+def test_adaptive_draft_length_is_refused_where_drafts_have_one_width(models, monkeypatch, v2, async_scheduling,
+                                                                     expected):
     """Model Runner V2 and asynchronous scheduling hand drafts on as one fixed-width tensor.
     Neither can run on this CPU build (V2 needs Triton, and the CPU platform turns asynchronous
-    scheduling off), so the check that the engine-config hook applies is called directly."""
-    check_runner("'adaptive_draft_length'", use_v2_model_runner=False, async_scheduling=False)
+    scheduling off), so vLLM's own engine config is switched to them after it is built and the
+    check that the engine-config hook applies is called on it."""
+    config = engine_config(models["llama"], spec(models["llama-edsd"]))
+    check_runner("'adaptive_draft_length'", config)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2 else "0")
+    config.scheduler_config.async_scheduling = async_scheduling
     with pytest.raises(EDSDError, match="'adaptive_draft_length' " + expected):
-        check_runner("'adaptive_draft_length'", use_v2_model_runner=v2, async_scheduling=async_scheduling)
+        check_runner("'adaptive_draft_length'", config)
 
 
 @pytest.mark.vllm_range

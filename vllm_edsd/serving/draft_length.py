@@ -113,14 +113,14 @@ def refuse_checkpoint_settings(raw: dict, source: str) -> None:
                         f"(\"{ENABLE}\", \"{THRESHOLD}\"), not in the drafter's config.json: remove it")
 
 
-def check_runner(feature: str, use_v2_model_runner: bool, async_scheduling: bool) -> None:
+def check_runner(feature: str, vllm_config: Any) -> None:
     """Drafts of different lengths per request need vLLM's V1 runner and synchronous scheduling."""
-    if use_v2_model_runner:
+    if getattr(vllm_config, "use_v2_model_runner", False):
         raise EDSDError(
             f"{feature} runs on vLLM's V1 model runner; this engine uses Model Runner V2: "
             "set VLLM_USE_V2_MODEL_RUNNER=0"
         )
-    if async_scheduling:
+    if vllm_config.scheduler_config.async_scheduling:
         raise EDSDError(
             f"{feature} needs synchronous scheduling (drafts of different lengths per request): "
             "pass --no-async-scheduling (async_scheduling=False)"
@@ -145,8 +145,7 @@ def check_request_cap(extra_args: dict | None, vllm_config: Any) -> None:
         raise EDSDError(f"{REQUEST_FEATURE} is the most draft tokens this request gets per step: an integer "
                         f"from 0 (no drafts) to {k} (this engine's num_speculative_tokens), got {n!r}")
     if n < k:
-        check_runner(REQUEST_FEATURE, bool(getattr(vllm_config, "use_v2_model_runner", False)),
-                     bool(vllm_config.scheduler_config.async_scheduling))
+        check_runner(REQUEST_FEATURE, vllm_config)
 
 
 def request_caps(req_ids: list[str], requests: dict[str, Any], k: int) -> list[int] | None:

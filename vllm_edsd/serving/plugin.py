@@ -188,9 +188,7 @@ def _checked_engine_config(original: Callable) -> Callable:
         draft = None if spec is None else spec.draft_model_config
         if draft is not None and draft_length.AdaptiveDraftLength.of(draft.hf_config) is not None:
             with _errors_for_the_user():
-                draft_length.check_runner(repr(draft_length.ENABLE),
-                                          bool(getattr(config, "use_v2_model_runner", False)),
-                                          bool(config.scheduler_config.async_scheduling))
+                draft_length.check_runner(repr(draft_length.ENABLE), config)
         return config
 
     return create_engine_config
@@ -237,7 +235,8 @@ def _capped_drafting(original: Callable) -> Callable:
         finally:
             if limiter is not None:
                 limiter.caps = None
-        return drafts if caps is None else draft_length.cut(drafts, caps)
+        # a hooked proposer returned its drafts cut already; another's are cut here
+        return drafts if caps is None or limiter is not None else draft_length.cut(drafts, caps)
 
     return propose_draft_token_ids
 
