@@ -20,6 +20,7 @@ COMMANDS = {
     "convert": "vllm_edsd.conversion.cli",
     "select": "vllm_edsd.target.select_cli",
     "train": "vllm_edsd.training.cli",
+    "pipeline": "vllm_edsd.pipeline",
     "demo": "vllm_edsd.demo",
     "build-demo": "vllm_edsd.demo.build",
 }
@@ -30,6 +31,8 @@ typical flow for a new target:
   edsd train TARGET --out runs/edsd --layers-from layers.json
   edsd convert runs/edsd/final drafter          # training layout -> vLLM layout
   vllm serve TARGET --speculative-config '{"method":"edsd","model":"drafter","num_speculative_tokens":4}'
+or the whole flow from one TOML file (resumable):
+  edsd pipeline --example > drafter.toml && edsd pipeline drafter.toml
 """
 
 

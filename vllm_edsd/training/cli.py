@@ -163,12 +163,14 @@ def check_numbers(args: argparse.Namespace, vocab: int) -> None:
 REGENERATE_CHUNK = 256  # conversations per cached file: an interrupted regeneration loses at most one
 
 
-def regenerate(target: str, conversations: list, cache_dir: Path, max_tokens: int) -> list:
+def regenerate(target: str, conversations: list, cache_dir: Path, max_tokens: int,
+               llm_kwargs: dict | None = None) -> list:
     """Replace every assistant turn by the target's own greedy answer, turn by turn, with
     vLLM (batched). Cached in ``cache_dir`` in chunks of ``REGENERATE_CHUNK`` conversations,
     each under a key of everything its answers depend on (the target's path and config, the
     chunk's conversations, ``max_tokens``): a rerun regenerates only the chunks not yet
-    written, and a run with other inputs never reuses stale answers."""
+    written, and a run with other inputs never reuses stale answers. ``llm_kwargs`` go to
+    vLLM's ``LLM`` (``tensor_parallel_size``...): how the engine runs, not what it answers."""
     identity = [str(Path(target).resolve()), (Path(target) / "config.json").read_text(), max_tokens]
     chunks = [conversations[i : i + REGENERATE_CHUNK] for i in range(0, len(conversations), REGENERATE_CHUNK)]
     paths = []
@@ -185,7 +187,7 @@ def regenerate(target: str, conversations: list, cache_dir: Path, max_tokens: in
         # An offline batch job: on CPU let vLLM compute on every core (it reserves one for serving).
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         cache_dir.mkdir(parents=True, exist_ok=True)
-        with llm_session(target) as llm:
+        with llm_session(target, **(llm_kwargs or {})) as llm:
             for number, i in enumerate(missing, 1):
                 print(f"regenerating chunk {number}/{len(missing)} ({len(chunks[i])} conversations)")
                 answered = answer_turns(llm, chunks[i], params)
