@@ -7,7 +7,7 @@ but the results lives under ``--work`` (default ``~/.cache/vllm-edsd/learning-cu
 
 1. data: ``edsd build-demo``'s prompts (ShareGPT chat and code, seeded, held-out prompts
    excluded) answered by the target through vLLM, in resumable chunks;
-2. EDSelect's layers for EDSD (``build-demo``'s select stage);
+2. EDSelect's layers for EDSD (the pipeline's select stage, ``vllm_edsd.pipeline``);
 3. for every size N and method: ``edsd train`` on the first N conversations with the demo
    recipe; both methods and every size read one feature cache (shards named by content);
 4. τ of each drafter served by vLLM (K, greedy, ignore EOS, float32) on the bench's held-out
@@ -55,9 +55,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def demo_recipe(args: argparse.Namespace, largest: int):
-    """``edsd build-demo``'s arguments at their defaults, with enough prompts for the largest size."""
+def demo_plan(args: argparse.Namespace, largest: int):
+    """``edsd build-demo``'s recipe (its pipeline config) with enough prompts for the largest size."""
     from vllm_edsd.demo import build
+    from vllm_edsd.demo.target import demo_target
+    from vllm_edsd.pipeline import Plan, load_config
 
     code = args.code_prompts if args.code_prompts is not None else largest // 3
     chat = args.chat_prompts if args.chat_prompts is not None else largest - code
@@ -65,26 +67,26 @@ def demo_recipe(args: argparse.Namespace, largest: int):
         raise EDSDError(f"--sizes asks for {largest} conversations but only {chat + code} prompts are answered")
     parser = argparse.ArgumentParser()
     build.add_arguments(parser)
-    return parser.parse_args(["--work", args.work, "--device", args.device,
-                              "--chat-prompts", str(chat), "--code-prompts", str(code)])
+    flags = parser.parse_args(["--work", args.work, "--device", args.device,
+                               "--chat-prompts", str(chat), "--code-prompts", str(code)])
+    return Plan(load_config(build.PIPELINE, build.demo_overrides(flags, demo_target())))
 
 
-def train_point(recipe, method: str, size: int, data: Path, target: Path, layers: Path, extra: list[str]) -> Path:
+def train_point(plan, method: str, size: int, extra: list[str]) -> Path:
     """The drafter trained on the first ``size`` conversations, in a layout vLLM serves."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
-    from vllm_edsd.demo.build import edsd_stage, training_arguments
+    from vllm_edsd.pipeline import run_command
 
     variant = "".join(extra).replace("-", "").replace("/", "_")
     # another data set or another ablation is another run
-    run = Path(recipe.work) / "curve" / data.stem / (f"{method}-{size}" + (f"-{variant}" if variant else ""))
+    run = plan.work / "curve" / plan.data().stem / (f"{method}-{size}" + (f"-{variant}" if variant else ""))
     if not finished_checkpoint(run / "final"):
-        edsd_stage(["train", str(target), "--out", str(run), *training_arguments(recipe, method, data, target, layers),
-                    "--max-samples", str(size), *extra])
+        run_command([*plan.train_argv(method, run), "--max-samples", str(size), *extra])
     if method == "eagle3":
         return run / "final"
     served = run / "vllm"
     if not finished_checkpoint(served):
-        edsd_stage(["convert", str(run / "final"), str(served), "--target", str(target), "--force"])
+        run_command(["convert", str(run / "final"), str(served), "--target", plan.target, "--force"])
     return served
 
 
@@ -101,15 +103,15 @@ def measure(drafter: Path, method: str, target: Path, args: argparse.Namespace) 
     return {key: result[key] for key in ("tau", "acceptance_per_pos", "drafts", "dtype")}
 
 
-def point(recipe, method: str, size: int, data: Path, target: Path, layers: Path, args: argparse.Namespace) -> dict:
+def point(plan, method: str, size: int, args: argparse.Namespace) -> dict:
     """One point of the curve: train (or reuse) the drafter, then measure it."""
-    drafter = train_point(recipe, method, size, data, target, layers, args.train_extra.split())
+    drafter = train_point(plan, method, size, args.train_extra.split())
     log = [json.loads(line) for line in (drafter.parent / "train_log.jsonl").read_text().splitlines()]
     return {"method": method, "variant": args.train_extra, "conversations": size,
             "positions": log[-1]["positions_trained"],
             "train_wall_s": round(sum(e["wall_s"] for e in log), 1),
             "train_acc_per_step": [round(a, 4) for a in log[-1]["acc_per_step"]],
-            **measure(drafter, method, target, args)}
+            **measure(drafter, method, Path(plan.target), args)}
 
 
 def same_point(a: dict, b: dict) -> bool:
@@ -183,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(methods) - set(METHODS)):
         print(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
-    from vllm_edsd.demo.build import regenerate_answers, select_layers
-    from vllm_edsd.demo.target import demo_target
+    from vllm_edsd.pipeline import run_pipeline
 
     from .__main__ import machine
 
@@ -192,11 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if sizes[0] < 1:
             raise EDSDError(f"--sizes must be positive, got {sizes[0]}")
-        recipe = demo_recipe(args, sizes[-1])
-        work, target = Path(args.work), demo_target()
-        work.mkdir(parents=True, exist_ok=True)
-        data = regenerate_answers(work, target, recipe)
-        layers = select_layers(work, target, data)
+        plan = demo_plan(args, sizes[-1])
+        run_pipeline(plan.cfg, stop_after="select")  # the data and EDSelect's layers
         results = {"command": "python -m bench.learning_curve " + " ".join(argv or sys.argv[1:]),
                    "machine": machine(), "k": args.k, "measurement": measurement(args),
                    "points": earlier_points(out / "results.json", args),
@@ -206,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         for size in tqdm(sizes, desc="sizes", unit="size"):
             for method in methods:
-                new = point(recipe, method, size, data, target, layers, args)
+                new = point(plan, method, size, args)
                 results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
                 (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
                 (out / "report.md").write_text(render(results))

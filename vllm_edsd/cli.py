@@ -22,6 +22,7 @@ COMMANDS = {
     "regenerate": "vllm_edsd.training.regenerate_cli",
     "features": "vllm_edsd.training.features_cli",
     "train": "vllm_edsd.training.cli",
+    "pipeline": "vllm_edsd.pipeline",
     "demo": "vllm_edsd.demo",
     "build-demo": "vllm_edsd.demo.build",
 }
@@ -32,8 +33,10 @@ typical flow for a new target:
   edsd train TARGET --out runs/edsd --layers-from layers.json
   edsd convert runs/edsd/final drafter          # training layout -> vLLM layout
   vllm serve TARGET --speculative-config '{"method":"edsd","model":"drafter","num_speculative_tokens":4}'
-at scale (docs/scale.md): edsd regenerate, edsd features (vLLM, tensor parallel), then
-  torchrun --nproc-per-node N -m vllm_edsd train ...   or   edsd pipeline CONFIG
+or the whole flow from one TOML file (resumable):
+  edsd pipeline --example > drafter.toml && edsd pipeline drafter.toml
+at scale (docs/scale.md): edsd regenerate and edsd features run the target in vLLM (tensor parallel),
+  torchrun --nproc-per-node N -m vllm_edsd train ... trains data-parallel
 """
 
 

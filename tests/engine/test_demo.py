@@ -63,9 +63,13 @@ def serve(paths, engine_runs, method: str | None) -> dict:
 
 
 def test_demo_prompts_are_in_no_training_data():
-    from vllm_edsd.demo.build import CHAT_PROMPTS, CODE_PROMPTS, drafter_prompts
+    import tomllib
 
-    trained = {m[0]["content"] for m in drafter_prompts(CHAT_PROMPTS, CODE_PROMPTS, seed=0)}
+    from vllm_edsd.demo.build import PIPELINE
+    from vllm_edsd.pipeline import drafter_prompts
+
+    data = tomllib.loads(PIPELINE.read_text())["data"]
+    trained = {m[0]["content"] for m in drafter_prompts(data["sharegpt_chat"], data["sharegpt_code"], data["seed"])}
     assert not trained & {prompt for _, prompt in DEMO_PROMPTS}
 
 

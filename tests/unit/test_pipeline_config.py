@@ -1,0 +1,197 @@
+"""``edsd pipeline``: one TOML description runs the stages not yet done; an interrupted run,
+rerun, ends where an uninterrupted one does; a bad config is one line; ``edsd build-demo`` is
+the pipeline on the demo's description, with the demo recipe's training arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.toy import make_target, toy_corpus
+
+from vllm_edsd.checkpoint.files import finished_checkpoint
+from vllm_edsd.cli import main
+
+TRAINING = {"methods": ["edsd", "eagle3"], "epochs": 5, "ttt_steps": 3, "lr": 3e-3, "batch_size": 4, "max_samples": 16,
+            "draft_vocab_size": 256, "max_length": 64, "seed": 0, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> dict[str, Path]:
+    """A toy target and conversations as JSON lines (what ``edsd train --data`` reads)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    lines = [line for line in toy_corpus().splitlines() if line.strip()]
+    data = root / "conversations.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": a},
+                                                     {"role": "assistant", "content": b}]}) + "\n"
+                            for a, b in zip(lines, lines[1:])))
+    return {"target": make_target(root / "target"), "data": data}
+
+
+@pytest.fixture
+def one_thread():
+    """Every run of the comparison on one CPU thread (in this process and the child): the same
+    arithmetic in each, and no torch threads spinning against other work on a small machine
+    (4-10x slower there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield {**os.environ, "OMP_NUM_THREADS": "1"}
+    torch.set_num_threads(before)
+
+
+def toml_value(value) -> str:
+    return json.dumps(value)  # strings, numbers, booleans and lists of them read the same in TOML
+
+
+def write_config(path: Path, sections: dict[str, dict]) -> Path:
+    """The sections as TOML; a key set to None is left out."""
+    path.write_text("".join(f"[{section}]\n" + "".join(f"{key} = {toml_value(v)}\n" for key, v in values.items()
+                                                       if v is not None)
+                            for section, values in sections.items()))
+    return path
+
+
+def toy_config(toy, work: Path, **changes) -> Path:
+    # the unit tier starts no vLLM engine: features through transformers (test_features.py checks vLLM's)
+    sections = {"target": {"path": str(toy["target"]), "features_backend": "transformers"},
+                "data": {"file": str(toy["data"])},
+                "layers": {"edsd": [1, 3], "eagle3": [1, 2, 3]}, "train": TRAINING, "output": {"work": str(work)}}
+    for section, values in changes.items():
+        sections[section] = {**sections.get(section, {}), **values}
+    return write_config(work.parent / f"{work.name}.toml", sections)
+
+
+def run_results(work: Path) -> dict:
+    """Every final tensor and every logged loss of a finished pipeline."""
+    out = {}
+    for checkpoint in ("edsd/final", "eagle3/final", "edsd-vllm"):
+        assert finished_checkpoint(work / checkpoint), checkpoint
+        out[checkpoint] = load_file(work / checkpoint / "model.safetensors")
+    for method in ("edsd", "eagle3"):
+        log = [json.loads(line) for line in (work / method / "train_log.jsonl").read_text().splitlines()]
+        out[f"{method} losses"] = [(e["epoch"], e["loss"], e["acc_per_step"]) for e in log]
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][t], b[key][t]) for t in a[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_an_interrupted_pipeline_ends_where_an_uninterrupted_one_does(toy, tmp_path, capsys, one_thread):
+    assert main(["pipeline", str(toy_config(toy, tmp_path / "full"))]) == 0
+    full = run_results(tmp_path / "full")
+    assert len(full["edsd losses"]) == TRAINING["epochs"]
+
+    cut = tmp_path / "cut"
+    config = toy_config(toy, cut)
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_edsd.cli", "pipeline", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=one_thread)
+    state = cut / "edsd" / "training_state.pt"  # written after the first training's first epoch
+    deadline = time.time() + 120
+    while not state.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    assert state.exists() and not finished_checkpoint(cut / "edsd" / "final"), "not killed mid-training"
+    assert not (cut / "eagle3").exists()
+
+    capsys.readouterr()
+    assert main(["pipeline", str(config)]) == 0
+    summary = capsys.readouterr().out
+    assert f"resuming {cut / 'edsd'} after epoch" in summary  # not started over
+    assert_same(run_results(cut), full)
+    rows = {line.split("  ")[0]: line for line in summary.splitlines()[-9:]}
+    assert "already done" in rows["data"] and "skipped" in rows["select"] and "skipped" in rows["regenerate"]
+    assert all("done now" in rows[stage] for stage in ("train-edsd", "train-eagle3", "convert"))
+
+    assert main(["pipeline", str(config)]) == 0  # nothing left to do
+    assert "done now" not in capsys.readouterr().out
+
+
+def test_dry_run_shows_each_command_and_runs_nothing(toy, tmp_path, capsys):
+    work = tmp_path / "work"
+    assert main(["pipeline", str(toy_config(toy, work)), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "train-edsd: to do" in out and "edsd train " in out and "--layers 1,3" in out
+    assert "--feature-layers 1,2,3" in out and "select: skipped (layers.edsd given)" in out
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"train": {"epoch": 3}}, "unknown key train.epoch"),
+    ({"train": {"epochs": "3"}}, "train.epochs must be an integer, got '3'"),
+    ({"train": {"lr": True}}, "train.lr must be a number, got True"),
+    ({"layers": {"edsd": [1, "3"]}}, "layers.edsd must be a list of integers"),
+    ({"layers": {"edsd": [1, 2, 3]}}, "layers.edsd must be 2 distinct layer ids"),
+    ({"train": {"methods": ["medusa"]}}, "train.methods must name distinct methods"),
+    ({"target": {"path": None}}, "missing target.path"),
+    ({"extra": {"x": 1}}, "unknown section [extra]"),
+    ({"data": {"sharegpt_chat": 8}}, "[data] needs either file or sharegpt_chat/sharegpt_code"),
+    ({"target": {"path": "nowhere"}}, "target.path: "),
+])
+def test_a_bad_config_is_one_line_naming_the_key(toy, tmp_path, capsys, change, message):
+    config = toy_config(toy, tmp_path / "work", **change)
+    assert main(["pipeline", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_config_that_is_not_toml(tmp_path, capsys):
+    config = tmp_path / "bad.toml"
+    config.write_text("[train\nepochs = 3\n")
+    assert main(["pipeline", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{config}: not valid TOML" in err
+
+
+def test_the_example_config_reads(tmp_path, capsys):
+    from vllm_edsd.pipeline import load_config
+
+    assert main(["pipeline", "--example"]) == 0
+    cfg = load_config(write_example(tmp_path, capsys.readouterr().out))
+    assert cfg["train"]["methods"] == ["edsd", "eagle3"] and cfg["output"]["work"] == str(tmp_path / "runs/smollm2")
+
+
+def write_example(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "example.toml"
+    path.write_text(text)
+    return path
+
+
+def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
+    """``pipeline.toml`` and build-demo's flags give the arguments the demo's drafters were
+    trained with (before the pipeline existed)."""
+    from vllm_edsd.demo import DEMO_PROMPTS, build
+    from vllm_edsd.pipeline import Plan, load_config
+
+    parser = argparse.ArgumentParser()
+    build.add_arguments(parser)
+    flags = parser.parse_args(["--work", str(tmp_path), "--device", "cpu", "--draft-epochs", "2"])
+    plan = Plan(load_config(build.PIPELINE, build.demo_overrides(flags, toy["target"])))
+    (tmp_path / "layers.json").write_text(json.dumps({"aux_layer_ids": [1, 3]}))
+    data = str(tmp_path / "regenerated-480chat-240code-192tokens-seed0.jsonl")
+    argv = plan.train_argv("edsd")
+    pairs = dict(zip(argv[2::2], argv[3::2]))
+    assert argv[:2] == ["train", str(toy["target"])] and pairs == {
+        "--out": str(tmp_path / "edsd"), "--method": "edsd", "--layers-from": str(tmp_path / "layers.json"),
+        "--data": data, "--epochs": "2", "--ttt-steps": "4", "--lr": "0.001", "--draft-vocab-size": "4096",
+        "--max-length": "448", "--batch-size": "8", "--seed": "0", "--device": "cpu",
+        "--cache": str(tmp_path / "cache"), "--feature-layers": "1,2,3"}
+    assert "--layers-from" not in plan.train_argv("eagle3")
+    assert plan.cfg["data"]["exclude"] == [prompt for _, prompt in DEMO_PROMPTS]
+    assert plan.convert_argv()[-5:] == ["--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dtype", "float16",
+                                        "--force"]
