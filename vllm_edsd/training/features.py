@@ -27,6 +27,8 @@ from vllm_edsd.target.hidden_states import run_target, token_entropy
 
 SHARD_SIZE = 64
 CACHE_FORMAT = 2  # bump when a record's fields change: the key then misses old caches
+# A batch's fields and what pads them past a sample's end (no token, no loss, no target argmax).
+PAD = {"input_ids": 0, "loss_mask": False, "aux": 0, "final": 0, "target_argmax": -1, "target_entropy": 0}
 
 
 def tokenize_conversations(
@@ -52,6 +54,12 @@ def shard_path(cache_dir: Path, key: str, chunk: list[tuple[list[int], list[int]
     return cache_dir / f"shard-{digest.hexdigest()[:20]}.pt"
 
 
+def shard_paths(cache_dir: Path, key: str, samples: list[tuple[list[int], list[int]]]) -> list[Path]:
+    """The shard files of ``samples`` (SHARD_SIZE each, in order), whether extracted yet or not."""
+    return [shard_path(cache_dir, key, samples[start : start + SHARD_SIZE])
+            for start in range(0, len(samples), SHARD_SIZE)]
+
+
 def extract_features(
     target_model,
     samples: list[tuple[list[int], list[int]]],
@@ -65,11 +73,9 @@ def extract_features(
     """Shard files of target features for ``samples`` (SHARD_SIZE each, in order) in
     ``cache_dir``; shards already there (same ``key`` and samples) are reused, not recomputed."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    shards = []
-    starts = range(0, len(samples), SHARD_SIZE)
-    for start in tqdm(starts, desc="target features", unit="shard"):
-        path = shard_path(cache_dir, key, samples[start : start + SHARD_SIZE])
-        shards.append(path)
+    shards = shard_paths(cache_dir, key, samples)
+    for start, path in tqdm(list(zip(range(0, len(samples), SHARD_SIZE), shards)), desc="target features",
+                            unit="shard"):
         if path.exists():
             continue
         records = []
@@ -122,13 +128,23 @@ def iterate_batches(
             batch = [records[i] for i in batches[pick]]
             width = max(len(r["input_ids"]) for r in batch)
 
-            def pad(key: str, fill=0, batch=batch, width=width) -> torch.Tensor:
+            def pad(key: str, batch=batch, width=width) -> torch.Tensor:
                 first = batch[0][key]
-                out = torch.full((len(batch), width, *first.shape[1:]), fill, dtype=first.dtype)
+                out = torch.full((len(batch), width, *first.shape[1:]), PAD[key], dtype=first.dtype)
                 for row, record in enumerate(batch):
                     out[row, : len(record[key])] = record[key]
                 return out
 
-            yield {"input_ids": pad("input_ids").long(), "loss_mask": pad("loss_mask", False),
-                   "aux": pad("aux"), "final": pad("final"), "target_argmax": pad("target_argmax", -1).long(),
-                   "target_entropy": pad("target_entropy")}
+            padded = {key: pad(key) for key in PAD}
+            yield {**padded, "input_ids": padded["input_ids"].long(), "target_argmax": padded["target_argmax"].long()}
+
+
+def join_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch holding the rows of ``batches`` in order, right-padded to the widest: the
+    union that one process trains on in place of data-parallel ranks' batches."""
+    width = max(batch["input_ids"].shape[1] for batch in batches)
+
+    def widen(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([x, torch.full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill, dtype=x.dtype)], 1)
+
+    return {key: torch.cat([widen(batch[key], PAD[key]) for batch in batches]) for key in PAD}
