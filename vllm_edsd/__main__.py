@@ -1,5 +1,5 @@
-"""``python -m vllm_edsd`` is the ``edsd`` command, so that ``torchrun -m vllm_edsd train ...``
-runs it on every rank."""
+"""``python -m vllm_edsd`` is the ``edsd`` command; ``torchrun -m vllm_edsd train ...`` runs it
+on every rank."""
 
 import sys
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +32,17 @@ from vllm_edsd.model.eagle3 import Eagle3DraftModel
 from vllm_edsd.model.edsd import EDSDDraftModel
 from vllm_edsd.target.hidden_states import decoder_of, load_target
 
-from .features import BACKENDS, aux_columns, extract_features, feature_key, feature_source, tokenize_conversations
+from .distributed import SINGLE, World, connect
+from .features import (
+    BACKENDS,
+    aux_columns,
+    extract_features,
+    feature_key,
+    feature_source,
+    resolve_backend,
+    shard_paths,
+    tokenize_conversations,
+)
 from .schedule import READINGS
 from .trainer import Recipe, train
 from .vocab import build_vocab_mapping
@@ -259,9 +270,12 @@ def build_model(args, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t,
     return model
 
 
-def training_samples(args: argparse.Namespace, cache: Path) -> tuple[list[tuple[list[int], list[int]]], int, int]:
-    """The rendered samples of ``--data`` or ShareGPT (regenerated first with ``--regenerate``),
-    with how many conversations were read and how many the chat template could not render."""
+def training_samples(
+    args: argparse.Namespace, cache: Path, world: World = SINGLE
+) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+    """The rendered samples of ``--data`` or ShareGPT (regenerated first with ``--regenerate``,
+    by rank 0: the others read what it cached), with how many conversations were read and how
+    many the chat template could not render."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
@@ -269,6 +283,9 @@ def training_samples(args: argparse.Namespace, cache: Path) -> tuple[list[tuple[
         load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
     )
     if args.regenerate:
+        if world.main:
+            regenerate(args.target, conversations, cache, args.max_length // 2, args.vllm_args)
+        world.barrier()
         conversations = regenerate(args.target, conversations, cache, args.max_length // 2, args.vllm_args)
     samples, skipped = tokenize_conversations(tokenizer, conversations, args.max_length)
     if not samples:
@@ -277,52 +294,88 @@ def training_samples(args: argparse.Namespace, cache: Path) -> tuple[list[tuple[
     return samples, len(conversations), skipped
 
 
-def target_dtype(args: argparse.Namespace) -> str:
-    return args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+def target_dtype(args: argparse.Namespace, device: str) -> str:
+    return args.dtype or ("float32" if device == "cpu" else "bfloat16")
 
 
-def feature_shards(args: argparse.Namespace, samples: list, layer_ids: tuple[int, ...], cache: Path) -> list[Path]:
-    """The samples' feature shards in ``cache/features``, extracted where missing by the backend
-    ``--features-backend`` picks."""
-    dtype = target_dtype(args)
-    with feature_source(args.features_backend, args.target, layer_ids, dtype=dtype, max_length=args.max_length,
-                        device=args.device, engine_args=args.vllm_args) as source:
-        return extract_features(source, samples, cache / "features",
-                                key=feature_key(args.target, layer_ids, dtype, source.backend))
+def feature_shards(
+    args: argparse.Namespace, samples: list, layer_ids: tuple[int, ...], cache: Path, world: World = SINGLE,
+    device: str | None = None,
+) -> list[Path]:
+    """The samples' feature shards in ``cache/features``, extracted where missing (by rank 0:
+    the others wait, then list the same shards) by the backend ``--features-backend`` picks."""
+    device = device or args.device
+    dtype, backend = target_dtype(args, device), resolve_backend(args.features_backend, quiet=not world.main)
+    key = feature_key(args.target, layer_ids, dtype, backend)
+    if world.main:
+        with feature_source(backend, args.target, layer_ids, dtype=dtype, max_length=args.max_length,
+                            device=device, engine_args=args.vllm_args) as source:
+            extract_features(source, samples, cache / "features", key=key)
+    world.barrier()
+    return shard_paths(cache / "features", key, samples)
 
 
-def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+@dataclass
+class Job:
+    """Everything ``train`` needs, made from the arguments."""
+
+    model: torch.nn.Module
+    shards: list[Path]
+    draft_head: torch.Tensor
+    recipe: Recipe
+    columns: torch.Tensor | None
+
+
+def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None = None) -> Job:
+    """The samples, target features, draft vocabulary and initial drafter on ``device``
+    (default ``--device``): the same on every rank (tokenisation and vocabulary are
+    deterministic)."""
+    out, device = Path(args.out), device or args.device
     cfg_raw = read_config_json(args.target)
     text_cfg = cfg_raw.get("text_config") or cfg_raw
     layers = resolve_layers(args, text_cfg["num_hidden_layers"])
     feature_layers = resolve_feature_layers(args.feature_layers, layers, text_cfg["num_hidden_layers"])
     check_numbers(args, text_cfg["vocab_size"])
+    from transformers.utils import logging
+
+    if not world.main:  # progress bars on rank 0 only
+        logging.disable_progress_bar()
     cache = Path(args.cache) if args.cache else out / "cache"
-    samples, read, skipped = training_samples(args, cache)
+    samples, read, skipped = training_samples(args, cache, world)
     counts = Counter(t for ids, mask in samples for t, m in zip(ids[1:], mask[1:]) if m)
     vocab = text_cfg["vocab_size"]
     d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
     # vLLM's extraction runs (and frees its memory) before transformers loads the target
-    shards = feature_shards(args, samples, feature_layers, cache)
-    target_model = load_target(args.target, dtype=getattr(torch, target_dtype(args)), device=args.device)
-    model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(args.device)
+    shards = feature_shards(args, samples, feature_layers, cache, world, device)
+    target_model = load_target(args.target, dtype=getattr(torch, target_dtype(args, device)), device=device)
+    model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(device)
     # Only the draft vocabulary's rows (in draft-id order: d2t keeps target ids ascending) are read.
     draft_head = target_model.get_output_embeddings().weight.detach()[torch.nonzero(t2d).flatten()].float()
-    del target_model
     recipe = Recipe(method=args.method, epochs=args.epochs, max_ttt_steps=args.ttt_steps,
                     reading=args.edtrain_reading, gamma=args.gamma,
                     mask_p=args.method == "edsd" and not args.no_mask_p,
                     step_n=args.method == "edsd" and not args.no_step_n,
                     lr=args.lr, batch_size=args.batch_size, seed=args.seed, feature_noise=args.feature_noise)
-    if skipped:
-        print(f"skipped {skipped} of {read} conversations: the chat template does not render "
-              "their answers after their own prompts")
-    print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
-          f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters")
+    if world.main:
+        if skipped:
+            print(f"skipped {skipped} of {read} conversations: the chat template does not render "
+                  "their answers after their own prompts")
+        print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
+              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
+              + (f", {world.size} data-parallel processes" if world.size > 1 else ""))
     columns = None if feature_layers == layers else aux_columns(feature_layers, layers, text_cfg["hidden_size"])
-    log = train(model, shards, draft_head, recipe, out, lambda m, d: m.save_pretrained(d), columns)
-    last = log[-1]
-    print(f"done: {len(log)} epochs, final loss {last['loss']:.3f}, accuracy per step "
-          + ", ".join(f"{a:.2f}" for a in last["acc_per_step"]) + f"\ncheckpoint: {out / 'final'}")
+    return Job(model, shards, draft_head, recipe, columns)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``edsd train``: one process, or one rank of a torchrun (``distributed``)."""
+    out = Path(args.out)
+    with connect(args.device) as (world, device):
+        job = prepare(args, world, device)
+        log = train(job.model, job.shards, job.draft_head, job.recipe, out, lambda m, d: m.save_pretrained(d),
+                    job.columns, world)
+    if world.main:
+        last = log[-1]
+        print(f"done: {len(log)} epochs, final loss {last['loss']:.3f}, accuracy per step "
+              + ", ".join(f"{a:.2f}" for a in last["acc_per_step"]) + f"\ncheckpoint: {out / 'final'}")
     return 0

@@ -31,6 +31,8 @@ from vllm_edsd.target.vllm_features import VLLMFeatures, unavailable_reason
 SHARD_SIZE = 64
 BACKENDS = ("auto", "vllm", "transformers")  # auto: vLLM where it can extract, else transformers
 CACHE_FORMAT = 2  # bump when a record's fields change: the key then misses old caches
+# A batch's fields and what pads them past a sample's end (no token, no loss, no target argmax).
+PAD = {"input_ids": 0, "loss_mask": False, "aux": 0, "final": 0, "target_argmax": -1, "target_entropy": 0}
 
 
 def tokenize_conversations(
@@ -59,24 +61,39 @@ def shard_path(cache_dir: Path, key: str, chunk: list[tuple[list[int], list[int]
     return cache_dir / f"shard-{digest.hexdigest()[:20]}.pt"
 
 
+def resolve_backend(backend: str, *, quiet: bool = False) -> str:
+    """``vllm`` or ``transformers``: ``auto`` is vLLM where the installed vLLM can extract, else
+    transformers, with one line saying why (unless ``quiet``)."""
+    if backend not in BACKENDS:
+        raise EDSDError(f"unknown features backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if backend == "transformers":
+        return backend
+    reason = unavailable_reason()
+    if reason is None:
+        return "vllm"
+    if backend == "vllm":
+        raise EDSDError(f"--features-backend vllm: {reason}")
+    if not quiet:
+        print(f"target features through transformers: {reason}")
+    return "transformers"
+
+
 def feature_source(
     backend: str, target: str, layer_ids: tuple[int, ...], *, dtype: str, max_length: int, device: str,
     engine_args: dict | None = None,
 ) -> TransformersFeatures | VLLMFeatures:
-    """What runs the target for its features: vLLM's extraction where the installed vLLM has
-    it (``auto``, the default, or ``vllm``; ``engine_args`` go to its ``LLM``), else
-    transformers, with one line saying why."""
-    if backend not in BACKENDS:
-        raise EDSDError(f"unknown features backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    if backend != "transformers":
-        reason = unavailable_reason()
-        if reason is None:
-            return VLLMFeatures(target, layer_ids, dtype=dtype, max_length=max_length, **(engine_args or {}))
-        if backend == "vllm":
-            raise EDSDError(f"--features-backend vllm: {reason}")
-        print(f"target features through transformers: {reason}")
+    """What runs the target for its features (``backend`` as ``resolve_backend`` gives it;
+    ``engine_args`` go to vLLM's ``LLM``)."""
+    if backend == "vllm":
+        return VLLMFeatures(target, layer_ids, dtype=dtype, max_length=max_length, **(engine_args or {}))
     return TransformersFeatures(load_target(target, dtype=getattr(torch, dtype), device=device), layer_ids,
                                 device=device)
+
+
+def shard_paths(cache_dir: Path, key: str, samples: list[tuple[list[int], list[int]]]) -> list[Path]:
+    """The shard files of ``samples`` (SHARD_SIZE each, in order), whether extracted yet or not."""
+    return [shard_path(cache_dir, key, samples[start : start + SHARD_SIZE])
+            for start in range(0, len(samples), SHARD_SIZE)]
 
 
 def extract_features(
@@ -87,11 +104,9 @@ def extract_features(
     ``source`` computes the features (``TransformersFeatures`` or ``VLLMFeatures``, an open
     context: vLLM's engine starts only when a shard is missing)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    shards, new_positions, started = [], 0, time.time()
-    starts = range(0, len(samples), SHARD_SIZE)
-    for start in tqdm(starts, desc=f"target features ({source.backend})", unit="shard"):
-        path = shard_path(cache_dir, key, samples[start : start + SHARD_SIZE])
-        shards.append(path)
+    shards, new_positions, started = shard_paths(cache_dir, key, samples), 0, time.time()
+    for start, path in tqdm(list(zip(range(0, len(samples), SHARD_SIZE), shards)),
+                            desc=f"target features ({source.backend})", unit="shard"):
         if path.exists():
             continue
         chunk = sorted(samples[start : start + SHARD_SIZE], key=lambda sample: len(sample[0]))  # little padding
@@ -136,13 +151,23 @@ def iterate_batches(
             batch = [records[i] for i in batches[pick]]
             width = max(len(r["input_ids"]) for r in batch)
 
-            def pad(key: str, fill=0, batch=batch, width=width) -> torch.Tensor:
+            def pad(key: str, batch=batch, width=width) -> torch.Tensor:
                 first = batch[0][key]
-                out = torch.full((len(batch), width, *first.shape[1:]), fill, dtype=first.dtype)
+                out = torch.full((len(batch), width, *first.shape[1:]), PAD[key], dtype=first.dtype)
                 for row, record in enumerate(batch):
                     out[row, : len(record[key])] = record[key]
                 return out
 
-            yield {"input_ids": pad("input_ids").long(), "loss_mask": pad("loss_mask", False),
-                   "aux": pad("aux"), "final": pad("final"), "target_argmax": pad("target_argmax", -1).long(),
-                   "target_entropy": pad("target_entropy")}
+            padded = {key: pad(key) for key in PAD}
+            yield {**padded, "input_ids": padded["input_ids"].long(), "target_argmax": padded["target_argmax"].long()}
+
+
+def join_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch holding the rows of ``batches`` in order, right-padded to the widest: the
+    union that one process trains on in place of data-parallel ranks' batches."""
+    width = max(batch["input_ids"].shape[1] for batch in batches)
+
+    def widen(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([x, torch.full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill, dtype=x.dtype)], 1)
+
+    return {key: torch.cat([widen(batch[key], PAD[key]) for batch in batches]) for key in PAD}

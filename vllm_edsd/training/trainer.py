@@ -14,13 +14,17 @@ loss is weighted 0.8^k.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from vllm_edsd.checkpoint.files import replace_file
@@ -28,7 +32,8 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.model.edsd import KeyValueSteps
 from vllm_edsd.target.hidden_states import token_entropy
 
-from .features import iterate_batches
+from .distributed import SINGLE, World
+from .features import SHARD_SIZE, iterate_batches, join_batches
 from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
 STEP_WEIGHT = 0.8
@@ -92,12 +97,17 @@ def add_feature_noise(features: torch.Tensor, layer_width: int, relative_std: fl
 
 def ttt_loss(
     model, batch: dict[str, torch.Tensor], draft_head: torch.Tensor, num_steps: int, percent: float,
-    reading: str = "paper", feature_noise: float = 0.0,
+    reading: str = "paper", feature_noise: float = 0.0, world: World = SINGLE,
 ) -> BatchResult:
     """Training-time-test loss of one batch (see the module docstring for the alignment).
     ``draft_head`` holds the target's ``lm_head`` rows of the draft vocabulary, in draft-id order;
     ``feature_noise`` > 0 perturbs the target features (a regulariser: served features are never
-    exactly the training ones)."""
+    exactly the training ones).
+
+    Each step's sum is divided by the count of loss positions of the *union* of the ranks'
+    batches over ``world.size`` (one ``world.sum`` per batch): DDP's gradient average then equals
+    one process's gradient of the union batch, and so do the loss and accuracies averaged over
+    the ranks. With one process this is the batch's own count."""
     device = draft_head.device
     schedule = READINGS[reading]
     ids, loss_mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
@@ -118,12 +128,12 @@ def ttt_loss(
         counted = kept & in_draft_vocab
     b, t = ids.shape
     positions = torch.arange(t, device=device).expand(b, t)
+    weights = [_shift(counted, k + 1, False).float() for k in range(num_steps)]
+    denoms = world.sum(torch.stack([weight.sum() for weight in weights])).clamp(min=1) / world.size
     g, kv = model.project(features), KeyValueSteps()
     total, accs = 0.0, []
-    for k in range(num_steps):
+    for k, (weight, denom) in enumerate(zip(weights, denoms)):
         logits, g = model.step(g, _shift(ids, k + 1, 0), positions + k, kv)
-        weight = _shift(counted, k + 1, False).float()
-        denom = weight.sum().clamp(min=1)
         log_q = F.log_softmax(logits.float(), -1)
         total = total + STEP_WEIGHT**k * -(weight * (_shift(soft, k + 1, 0.0) * log_q).sum(-1)).sum() / denom
         with torch.no_grad():
@@ -150,8 +160,97 @@ def _read_state(path: Path) -> dict:
     return state
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+def _rank_state(generator: torch.Generator) -> dict:
+    """What makes this rank's rest of the run exact after a resume: its shuffling and RNG states."""
+    return {"generator": generator.get_state(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+
+
+class _Loss(torch.nn.Module):
+    """``ttt_loss`` as a module's forward: DDP arranges its gradient averaging in forward."""
+
+    def __init__(self, model, draft_head: torch.Tensor, recipe: Recipe, world: World) -> None:
+        super().__init__()
+        self.model, self.draft_head, self.recipe, self.world = model, draft_head, recipe, world
+
+    def forward(self, batch: dict[str, torch.Tensor], steps: int, percent: float) -> BatchResult:
+        return ttt_loss(self.model, batch, self.draft_head, steps, percent, self.recipe.reading,
+                        self.recipe.feature_noise, self.world)
+
+
+class Fitter:
+    """A drafter, its optimizer and one optimizer step; with ``world.size`` > 1 the loss runs
+    in torch's DistributedDataParallel, which averages the gradients over the ranks."""
+
+    def __init__(self, model, draft_head: torch.Tensor, recipe: Recipe, world: World = SINGLE) -> None:
+        self.model, self.recipe = model, recipe
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=recipe.lr, betas=(0.9, 0.95))
+        loss = _Loss(model, draft_head, recipe, world)
+        self.loss = DistributedDataParallel(loss) if world.size > 1 else loss
+
+    def step(self, batch: dict[str, torch.Tensor], steps: int, percent: float) -> BatchResult:
+        result = self.loss(batch, steps, percent)
+        self.optimizer.zero_grad()
+        result.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.trainable, self.recipe.grad_clip)
+        self.optimizer.step()
+        return result
+
+
+def count_batches(shards: list[Path], batch_size: int) -> int:
+    """How many batches ``iterate_batches`` makes of ``shards`` (memory-mapped: only their
+    sample counts are read)."""
+    return sum(math.ceil(len(torch.load(path, weights_only=True, mmap=True)) / batch_size) for path in shards)
+
+
+def epoch_batches(
+    shards: list[Path], batch_size: int, generators: list[torch.Generator], columns: torch.Tensor | None,
+    ranks: list[int], world_size: int, steps: int | None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """One epoch's batches of ``ranks`` (rank r reads ``shards[r::world_size]`` in the order of
+    ``generators[i]``), the first ``steps`` of each (all with None), batch i of every rank
+    joined into one. A training process passes its own rank; ``ranks`` = all of them gives
+    the union batches that one process trains on to equal a data-parallel run."""
+    parts = [islice(iterate_batches(shards[rank::world_size], batch_size, generator, columns), steps)
+             for rank, generator in zip(ranks, generators)]
+    for batches in zip(*parts):
+        yield batches[0] if len(batches) == 1 else join_batches(list(batches))
+
+
+def _union_sums(sums: dict, world: World) -> dict:
+    """An epoch's sums over every rank: loss and accuracies averaged (each rank's are scaled to
+    the union's count, ``ttt_loss``), position counts added."""
+    if world.size == 1:
+        return sums
+    n = len(sums["acc"])
+    flat = [sums["loss"], *sums["acc"], sums["masked"], sums["eligible"], sums["counted"]]
+    total = world.sum(torch.tensor(flat, dtype=torch.float64)).tolist()
+    return {"loss": total[0] / world.size, "batches": sums["batches"],
+            "acc": [a / world.size for a in total[1 : 1 + n]],
+            **{key: int(value) for key, value in zip(("masked", "eligible", "counted"), total[1 + n :])}}
+
+
+def _resume(state_path: Path, fitter: Fitter, generator: torch.Generator, world: World) -> tuple[int, list[dict]]:
+    """The first epoch to run and the log so far, with the model, optimizer and this rank's
+    shuffling and RNG states as saved after the last finished epoch."""
+    state, recipe = _read_state(state_path), fitter.recipe
+    saved_size = state.get("world_size", 1)
+    if saved_size != world.size:
+        raise EDSDError(f"{state_path.parent}: holds a run of {saved_size} training process(es); resume it with "
+                        f"as many (torchrun --nproc-per-node {saved_size}) or use another --out")
+    defaults = {name: f.default for name, f in Recipe.__dataclass_fields__.items()}
+    if {**defaults, **state["recipe"]} != asdict(recipe):  # a field added since: its default
+        raise EDSDError(f"{state_path.parent}: holds an interrupted run with a different recipe; use another --out")
+    fitter.model.load_state_dict(state["model"])
+    fitter.optimizer.load_state_dict(state["optimizer"])
+    own = state["ranks"][world.rank] if world.size > 1 else state
+    generator.set_state(own["generator"])
+    torch.set_rng_state(own["rng"]["torch"])
+    random.setstate(own["rng"]["python"])
+    if world.main:
+        print(f"resuming {state_path.parent} after epoch {state['epoch']}")
+    return state["epoch"] + 1, state["log"]
 
 
 def train(
@@ -162,62 +261,79 @@ def train(
     out_dir: Path,
     save_checkpoint,
     columns: torch.Tensor | None = None,
+    world: World = SINGLE,
 ) -> list[dict]:
     """Train for ``recipe.epochs`` epochs, writing a checkpoint and a log line after each.
 
     Resumes from ``out_dir/training_state.pt`` when an earlier run was interrupted.
     ``save_checkpoint(model, directory)`` writes one checkpoint in the method's layout;
     ``columns`` picks the drafter's layers from shards stored for more (``features.aux_columns``).
+
+    Data-parallel (``world.size`` > 1): rank r trains on ``shards[r::size]``, shuffled by a
+    generator seeded ``seed + r`` (rank 0's order is the one-process run's). Every rank stops
+    each epoch after the smallest rank's batch count (counted once, before the first epoch), so
+    all take the same optimizer steps; a longer rank's last batches of that epoch's order are
+    skipped. Loss and gradients equal one process's on the union of the ranks' batches
+    (``ttt_loss``), except the ``specforge`` reading's entropy ranking, which ranks over each
+    rank's own batch. Only rank 0 prints, writes checkpoints, the state and the log; the state
+    holds every rank's shuffling and RNG states, so a resume with as many processes continues
+    exactly (with another number it is refused).
     """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=recipe.lr, betas=(0.9, 0.95))
-    generator = torch.Generator().manual_seed(recipe.seed)
-    start_epoch, log = 0, []
+    if len(shards) < world.size:
+        raise EDSDError(f"{len(shards)} feature shard(s) for {world.size} training processes: each needs at least "
+                        f"one ({SHARD_SIZE} samples per shard); use fewer processes or more samples")
+    fitter = Fitter(model, draft_head, recipe, world)
+    generator = torch.Generator().manual_seed(recipe.seed + world.rank)
     state_path, log_path = out_dir / STATE_FILE, out_dir / LOG_FILE
     if state_path.exists():
-        state = _read_state(state_path)
-        defaults = {name: f.default for name, f in Recipe.__dataclass_fields__.items()}
-        if {**defaults, **state["recipe"]} != asdict(recipe):  # a field added since: its default
-            raise EDSDError(f"{out_dir}: holds an interrupted run with a different recipe; use another --out")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["generator"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        start_epoch, log = state["epoch"] + 1, state["log"]
-        print(f"resuming {out_dir} after epoch {state['epoch']}")
+        start_epoch, log = _resume(state_path, fitter, generator, world)
+    else:
+        start_epoch, log = 0, []
+        if world.size > 1:  # each rank its own feature noise
+            torch.manual_seed(recipe.seed + world.rank)
+    steps = world.min(count_batches(shards[world.rank :: world.size], recipe.batch_size)) if world.size > 1 else None
     for epoch in range(start_epoch, recipe.epochs):
-        percent, steps = recipe.percent(epoch), recipe.steps(epoch)
         started = time.time()
-        sums = {"loss": 0.0, "batches": 0, "acc": [0.0] * steps, "masked": 0, "eligible": 0, "counted": 0}
-        bar = tqdm(iterate_batches(shards, recipe.batch_size, generator, columns),
-                   desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch")
-        for batch in bar:
-            result = ttt_loss(model, batch, draft_head, steps, percent, recipe.reading, recipe.feature_noise)
-            optimizer.zero_grad()
-            result.loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, recipe.grad_clip)
-            optimizer.step()
-            sums["loss"] += result.loss.item()
-            sums["batches"] += 1
-            sums["acc"] = [a + b for a, b in zip(sums["acc"], result.step_acc)]
-            for key in ("masked", "eligible", "counted"):
-                sums[key] += getattr(result, key)
-            bar.set_postfix(loss=f"{result.loss.item():.3f}", acc0=f"{result.step_acc[0]:.2f}",
-                            masked=f"{result.masked / max(result.eligible, 1):.0%}")
-        n = max(sums["batches"], 1)
-        entry = {
-            "epoch": epoch, "p_t": percent, "n_t": steps, "loss": sums["loss"] / n,
-            "acc_per_step": [a / n for a in sums["acc"]],
-            "masked_fraction": sums["masked"] / max(sums["eligible"], 1),
-            "positions_trained": sums["counted"], "wall_s": time.time() - started,
-        }
-        log.append(entry)
-        save_checkpoint(model, out_dir / f"epoch_{epoch}")
-        state = {"recipe": asdict(recipe), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "generator": generator.get_state(), "rng": _rng_state(), "epoch": epoch, "log": log}
-        # an interruption mid-write keeps the old state
-        replace_file(state_path, lambda tmp: torch.save(state, tmp))  # noqa: B023 (called at once)
-        log_path.write_text("".join(json.dumps(e) + "\n" for e in log))  # the log of the saved state
-    save_checkpoint(model, out_dir / "final")
+        batches = epoch_batches(shards, recipe.batch_size, [generator], columns, [world.rank], world.size, steps)
+        entry = _run_epoch(fitter, batches, epoch, world)
+        log.append({**entry, "wall_s": time.time() - started})
+        ranks = world.gather(_rank_state(generator))
+        if world.main:
+            save_checkpoint(model, out_dir / f"epoch_{epoch}")
+            state = {"recipe": asdict(recipe), "model": model.state_dict(), "optimizer": fitter.optimizer.state_dict(),
+                     **ranks[0], "epoch": epoch, "log": log, "world_size": world.size}
+            if world.size > 1:
+                state["ranks"] = ranks
+            # an interruption mid-write keeps the old state
+            replace_file(state_path, lambda tmp: torch.save(state, tmp))  # noqa: B023 (called at once)
+            log_path.write_text("".join(json.dumps(e) + "\n" for e in log))  # the log of the saved state
+        world.barrier()
+    if world.main:
+        save_checkpoint(model, out_dir / "final")
+    world.barrier()
     return log
+
+
+def _run_epoch(fitter: Fitter, batches: Iterator[dict[str, torch.Tensor]], epoch: int, world: World) -> dict:
+    """Train on one epoch's ``batches``; the epoch's log entry (over every rank), less its time."""
+    recipe = fitter.recipe
+    percent, steps = recipe.percent(epoch), recipe.steps(epoch)
+    sums = {"loss": 0.0, "batches": 0, "acc": [0.0] * steps, "masked": 0, "eligible": 0, "counted": 0}
+    bar = tqdm(batches, desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch", disable=not world.main)
+    for batch in bar:
+        result = fitter.step(batch, steps, percent)
+        sums["loss"] += result.loss.item()
+        sums["batches"] += 1
+        sums["acc"] = [a + b for a, b in zip(sums["acc"], result.step_acc)]
+        for key in ("masked", "eligible", "counted"):
+            sums[key] += getattr(result, key)
+        bar.set_postfix(loss=f"{result.loss.item():.3f}", acc0=f"{result.step_acc[0]:.2f}",
+                        masked=f"{result.masked / max(result.eligible, 1):.0%}")
+    sums = _union_sums(sums, world)
+    n = max(sums["batches"], 1)
+    return {
+        "epoch": epoch, "p_t": percent, "n_t": steps, "loss": sums["loss"] / n,
+        "acc_per_step": [a / n for a in sums["acc"]],
+        "masked_fraction": sums["masked"] / max(sums["eligible"], 1),
+        "positions_trained": sums["counted"],
+    }
