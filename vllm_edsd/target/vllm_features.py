@@ -71,13 +71,15 @@ class VLLMFeatures:
     """Target features from a vLLM engine, started on first use and shut down on exit.
 
     ``engine_args`` go to ``LLM(...)`` (``tensor_parallel_size``, ``gpu_memory_utilization``...).
+    The final norm, the lm_head product and the entropy run on ``device`` (the GPU where there
+    is one: over a large vocabulary they cost as much as the target's forward).
     """
 
     backend = "vllm"
 
     def __init__(self, target: str | Path, layer_ids: tuple[int, ...], *, dtype: str, max_length: int,
-                 **engine_args):
-        self.target, self.layer_ids, self.dtype = str(target), tuple(sorted(layer_ids)), dtype
+                 device: str = "cpu", **engine_args):
+        self.target, self.layer_ids, self.dtype, self.device = str(target), tuple(sorted(layer_ids)), dtype, device
         self.max_length, self.engine_args = max_length, engine_args
         self.llm, self.scratch, self.norm, self.head = None, None, None, None
 
@@ -94,7 +96,8 @@ class VLLMFeatures:
     def _start(self) -> None:
         from vllm_edsd.launch.engine import make_llm
 
-        self.norm, self.head = output_head(self.target)
+        norm, head = output_head(self.target)
+        self.norm, self.head = norm.to(self.device), head.to(self.device)
         last = decoder_layers(self.target)
         self.captured = tuple(sorted({*self.layer_ids, last}))
         self.scratch = tempfile.TemporaryDirectory(prefix="edsd-hidden-states-")
@@ -135,7 +138,7 @@ class VLLMFeatures:
         """``hidden`` [n, captured layers, d] (ascending ids) → what training keeps."""
         aux = hidden[:, [self.captured.index(i) for i in self.layer_ids]].flatten(1)
         with torch.no_grad():
-            final = self.norm(hidden[:, -1].float())
+            final = self.norm(hidden[:, -1].to(self.device, torch.float32))
             argmax, entropy = [], []
             for chunk in final.split(LOGIT_CHUNK):
                 logits = chunk @ self.head.T

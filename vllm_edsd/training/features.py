@@ -85,7 +85,8 @@ def feature_source(
     """What runs the target for its features (``backend`` as ``resolve_backend`` gives it;
     ``engine_args`` go to vLLM's ``LLM``)."""
     if backend == "vllm":
-        return VLLMFeatures(target, layer_ids, dtype=dtype, max_length=max_length, **(engine_args or {}))
+        return VLLMFeatures(target, layer_ids, dtype=dtype, max_length=max_length, device=device,
+                            **(engine_args or {}))
     return TransformersFeatures(load_target(target, dtype=getattr(torch, dtype), device=device), layer_ids,
                                 device=device)
 
