@@ -36,6 +36,7 @@ from typing import Any
 
 from vllm_edsd.checkpoint.files import finished_checkpoint, replace_file
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.training.features import BACKENDS  # what runs the target for its features
 
 EXAMPLE = """\
 # edsd pipeline smollm2.toml            (relative paths are relative to this file)
@@ -92,7 +93,6 @@ SCHEMA: dict[str, dict[str, tuple[Any, Any]]] = {
 PATHS = (("target", "path"), ("data", "file"), ("output", "work"))  # relative to the config file
 METHODS = ("edsd", "eagle3")
 DTYPES = ("float16", "bfloat16", "float32")
-BACKENDS = ("auto", "vllm", "transformers")  # what runs the target for its features (`edsd features`)
 # The `edsd` subcommands the stages run, each through its own module.
 COMMANDS = {"select": "vllm_edsd.target.select_cli", "features": "vllm_edsd.training.features_cli",
             "train": "vllm_edsd.training.cli", "convert": "vllm_edsd.conversion.cli"}
@@ -248,16 +248,14 @@ def write_conversations(path: Path, conversations: list) -> None:
 def feature_layers(cfg: Config, layers_json: Path) -> list[int]:
     """Every method's layers (EDSD's from EDSelect or the config, EAGLE-3's from the config or
     vLLM's default): the features all drafters train on, extracted once."""
-    from vllm_edsd.checkpoint.config import read_config_json
+    from vllm_edsd.checkpoint.config import decoder_layers
     from vllm_edsd.training.cli import eagle3_default_layers
 
     ids: set[int] = set()
     if "edsd" in cfg["train"]["methods"]:
         ids |= set(cfg["layers"]["edsd"] or json.loads(layers_json.read_text())["aux_layer_ids"])
     if "eagle3" in cfg["train"]["methods"]:
-        raw = read_config_json(cfg["target"]["path"])
-        num_layers = (raw.get("text_config") or raw)["num_hidden_layers"]
-        ids |= set(cfg["layers"]["eagle3"] or eagle3_default_layers(num_layers))
+        ids |= set(cfg["layers"]["eagle3"] or eagle3_default_layers(decoder_layers(cfg["target"]["path"])))
     return sorted(ids)
 
 

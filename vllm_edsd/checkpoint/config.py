@@ -494,3 +494,10 @@ def read_config_json(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise EDSDError(f"{cfg}: expected a JSON object")
     return raw
+
+
+def decoder_layers(path: str | Path) -> int:
+    """A target's number of decoder layers (vLLM's aux id of the last layer's output), from
+    its config.json (a multimodal model's text config)."""
+    config = read_config_json(path)
+    return (config.get("text_config") or config)["num_hidden_layers"]

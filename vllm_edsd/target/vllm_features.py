@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_edsd.checkpoint.config import decoder_layers
 from vllm_edsd.checkpoint.files import read_tensor, tensor_files
 from vllm_edsd.errors import EDSDError
 
@@ -146,10 +147,3 @@ class VLLMFeatures:
                 entropy.append(token_entropy(logits))
         return SampleFeatures(aux, final, torch.cat(argmax), torch.cat(entropy))
 
-
-def decoder_layers(target: str | Path) -> int:
-    """The target's number of decoder layers (vLLM's aux id of the last layer's output)."""
-    from vllm_edsd.checkpoint.config import read_config_json
-
-    config = read_config_json(target)
-    return (config.get("text_config") or config)["num_hidden_layers"]

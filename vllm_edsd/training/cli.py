@@ -270,6 +270,11 @@ def build_model(args, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t,
     return model
 
 
+def read_conversations(args: argparse.Namespace) -> list:
+    """``--data``'s conversations, or ShareGPT's in ``--seed``'s order; ``--max-samples`` of them."""
+    return load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
+
+
 def training_samples(
     args: argparse.Namespace, cache: Path, world: World = SINGLE
 ) -> tuple[list[tuple[list[int], list[int]]], int, int]:
@@ -279,9 +284,7 @@ def training_samples(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    conversations = (
-        load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
-    )
+    conversations = read_conversations(args)
     if args.regenerate:
         if world.main:
             regenerate(args.target, conversations, cache, args.max_length // 2, args.vllm_args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_edsd.checkpoint.config import read_config_json
+from vllm_edsd.checkpoint.config import decoder_layers
 
 from .cli import add_data_arguments, feature_shards, resolve_feature_layers, training_samples
 
@@ -38,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = read_config_json(args.target)
-    layers = resolve_feature_layers(args.feature_layers, (), (config.get("text_config") or config)["num_hidden_layers"])
+    layers = resolve_feature_layers(args.feature_layers, (), decoder_layers(args.target))
     cache = Path(args.cache)
     samples, read, skipped = training_samples(args, cache)
     shards = feature_shards(args, samples, layers, cache)

@@ -13,10 +13,9 @@ import json
 from pathlib import Path
 
 from vllm_edsd.checkpoint.files import replace_file
-from vllm_edsd.data import load_conversations, load_sharegpt
 from vllm_edsd.errors import EDSDError
 
-from .cli import add_vllm_arguments, regenerate
+from .cli import add_vllm_arguments, read_conversations, regenerate
 
 EPILOG = """\
 examples:
@@ -48,9 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise EDSDError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     out = Path(args.out)
-    conversations = (
-        load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
-    )
+    conversations = read_conversations(args)
     cache = Path(args.cache) if args.cache else out.parent / "regenerate-cache"
     answered = regenerate(args.target, conversations, cache, args.answer_tokens, args.vllm_args)
     out.parent.mkdir(parents=True, exist_ok=True)
