@@ -1,5 +1,6 @@
 """Data-parallel training under torchrun (``training/distributed.py``): two gloo ranks on the
-CPU against one process, checkpoints written by rank 0 alone, resume, and refused setups."""
+CPU, with DDP and with FSDP, against one process, checkpoints written by rank 0 alone, resume,
+and refused setups."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from vllm_edsd.training.cli import prepare
 from vllm_edsd.training.trainer import Fitter, count_batches, epoch_batches
 
 RANKS = 2
+LR = 3e-3
+RUN = ("--layers", "1,3", "--epochs", "2", "--ttt-steps", "2")  # 8 optimizer steps
 # Records, for rank 1 only, every file it opens for writing, creates or renames under the run.
 WRITE_AUDIT = """\
 import os, sys
@@ -31,32 +34,41 @@ if os.environ.get("RANK") == "1" and os.environ.get("EDSD_AUDIT_UNDER"):
                 f.write(f"{event} {args[0]}\\n")
     sys.addaudithook(audit)
 """
+# Kills rank 0 as it is about to create the directory EDSD_DIE_AT: an interruption at a known point.
+INTERRUPT = """\
+if os.environ.get("RANK") == "0" and os.environ.get("EDSD_DIE_AT"):
+    def die(event, args, at=os.environ["EDSD_DIE_AT"]):
+        if event == "os.mkdir" and str(args[0]) == at:
+            os._exit(1)
+    sys.addaudithook(die)
+"""
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict:
     """The toy Llama target and 72 conversations: two feature shards (64 and 8 samples), one
     per rank; 4 optimizer steps per epoch (rank 1's batches of 2, rank 0 stops there)."""
-    root = tmp_path_factory.mktemp("ddp")
+    root = tmp_path_factory.mktemp("torchrun")
     lines = toy_corpus().splitlines()
     convs = [{"conversations": [{"from": "human", "value": a}, {"from": "gpt", "value": b}]}
              for k in (1, 2, 3) for a, b in zip(lines, lines[k:])][:72]
     (root / "chat.json").write_text(json.dumps(convs))
     (root / "hook").mkdir()
-    (root / "hook" / "sitecustomize.py").write_text(WRITE_AUDIT)
+    (root / "hook" / "sitecustomize.py").write_text(WRITE_AUDIT + INTERRUPT)
     return {"target": str(make_target(root / "llama")), "data": str(root / "chat.json"), "root": root}
 
 
 def train_args(setup: dict, out: Path, *extra) -> list[str]:
     return ["train", setup["target"], "--out", str(out), "--data", setup["data"],
             "--cache", str(setup["root"] / "cache"), "--draft-vocab-size", "256",
-            "--lr", "3e-3", "--batch-size", "2", "--device", "cpu", "--features-backend", "transformers",
+            "--lr", str(LR), "--batch-size", "2", "--device", "cpu", "--features-backend", "transformers",
             *map(str, extra)]
 
 
-def torchrun(setup: dict, out: Path, *extra) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 -m vllm_edsd train ...``, each rank's output in OUT-ranks/."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+def torchrun(setup: dict, out: Path, *extra, die_at: Path | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 -m vllm_edsd train ...``, each rank's output in OUT-ranks/;
+    with ``die_at``, rank 0 dies as it creates that directory."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EDSD_DIE_AT": str(die_at or ""),
            "EDSD_AUDIT_UNDER": str(out), "EDSD_AUDIT_LOG": str(out.parent / "audit"),
            "PYTHONPATH": os.pathsep.join([str(setup["root"] / "hook"), *sys.path])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
@@ -68,25 +80,31 @@ def rank_output(out: Path, rank: int) -> str:
     return "".join(p.read_text() for p in Path(str(out) + "-ranks").glob(f"*/attempt_0/{rank}/std*.log"))
 
 
-def test_ddp_equals_one_process_on_the_union_batch(setup, tmp_path):
-    """Two gloo ranks with batch size b train the same drafter as one process stepping on the
-    union of both ranks' batch i (size 2b, the real ``ttt_loss`` and optimizer step), over
-    8 AdamW steps: every weight within lr/100 (3e-5) of the reference. The gradients agree to
-    float32 rounding (summation order: all_reduce, batched products); AdamW divides by the
-    gradient's RMS, so that rounding moves an element whose gradient is near 0 by a fraction
-    of lr (5e-6 seen), while per-rank instead of global loss normalisation is off by 4e-2.
-    Also: rank 1 printed nothing and wrote nothing under the run directory; a rerun of the
-    finished run resumes from its state and ends at once."""
-    out = tmp_path / "ddp"
-    args = ("--layers", "1,3", "--epochs", "2", "--ttt-steps", "2")
-    done = torchrun(setup, out, *args)
+def finished_run(setup: dict, name: str, *extra) -> Path:
+    """A two-rank run of ``RUN`` in its own directory (its audit log beside it)."""
+    out = setup["root"] / name / "run"
+    out.parent.mkdir()
+    done = torchrun(setup, out, *RUN, *extra)
     assert done.returncode == 0, done.stderr[-2000:]
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert [e["n_t"] for e in log] == [1, 2] and log[0]["masked_fraction"] > 0
-    assert "done: 2 epochs" in rank_output(out, 0) and rank_output(out, 1) == ""
-    assert not (tmp_path / "audit").exists(), (tmp_path / "audit").read_text()
+    return out
 
-    job = prepare(build_parser("train").parse_args(train_args(setup, tmp_path / "one", *args)))
+
+@pytest.fixture(scope="module")
+def ddp_run(setup) -> Path:
+    return finished_run(setup, "ddp")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(setup) -> Path:
+    return finished_run(setup, "fsdp", "--data-parallel", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def one_process(setup) -> dict[str, torch.Tensor]:
+    """The weights one process ends with stepping on the union of both ranks' batch i (size
+    2b, the real ``ttt_loss`` and optimizer step) for ``RUN``'s 8 AdamW steps."""
+    out = setup["root"] / "one"
+    job = prepare(build_parser("train").parse_args(train_args(setup, out, *RUN)))
     fitter, b = Fitter(job.model, job.draft_head, job.recipe), job.recipe.batch_size
     generators = [torch.Generator().manual_seed(job.recipe.seed + rank) for rank in range(RANKS)]
     steps = min(count_batches(job.shards[rank::RANKS], b) for rank in range(RANKS))
@@ -94,17 +112,92 @@ def test_ddp_equals_one_process_on_the_union_batch(setup, tmp_path):
         for batch in epoch_batches(job.shards, b, generators, job.columns, list(range(RANKS)), RANKS, steps):
             assert batch["input_ids"].shape[0] == RANKS * b
             fitter.step(batch, job.recipe.steps(epoch), job.recipe.percent(epoch))
-    job.model.save_pretrained(tmp_path / "one")
-    ddp = load_file(out / "final" / "model.safetensors")
-    one = load_file(tmp_path / "one" / "model.safetensors")
-    assert ddp.keys() == one.keys()
-    for name in ddp:
-        assert (ddp[name].double() - one[name].double()).abs().max() <= job.recipe.lr / 100, name
-    rerun = torchrun(setup, out, *args)
+    job.model.save_pretrained(out)
+    return load_file(out / "model.safetensors")
+
+
+def assert_trained_as_one_process(run: Path, one_process: dict[str, torch.Tensor]) -> None:
+    """Every weight of the run's final checkpoint within lr/100 of one process's."""
+    final = load_file(run / "final" / "model.safetensors")
+    assert final.keys() == one_process.keys()
+    for name in final:
+        assert (final[name].double() - one_process[name].double()).abs().max() <= LR / 100, name
+
+
+def assert_rank_0_alone_wrote(run: Path) -> None:
+    assert "done: 2 epochs" in rank_output(run, 0) and rank_output(run, 1) == ""
+    assert not (run.parent / "audit").exists(), (run.parent / "audit").read_text()
+
+
+def test_ddp_equals_one_process_on_the_union_batch(setup, ddp_run, one_process):
+    """Two gloo ranks with batch size b train the same drafter as one process stepping on the
+    union of both ranks' batch i: every weight within lr/100 (3e-5) of the reference. The
+    gradients agree to float32 rounding (summation order: all_reduce, batched products); AdamW
+    divides by the gradient's RMS, so that rounding moves an element whose gradient is near 0
+    by a fraction of lr (5e-6 seen), while per-rank instead of global loss normalisation is off
+    by 4e-2. Also: rank 1 printed nothing and wrote nothing under the run directory; a rerun of
+    the finished run resumes from its state and ends at once."""
+    log = [json.loads(line) for line in (ddp_run / "train_log.jsonl").read_text().splitlines()]
+    assert [e["n_t"] for e in log] == [1, 2] and log[0]["masked_fraction"] > 0
+    assert_rank_0_alone_wrote(ddp_run)
+    assert_trained_as_one_process(ddp_run, one_process)
+    ddp = load_file(ddp_run / "final" / "model.safetensors")
+    rerun = torchrun(setup, ddp_run, *RUN)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert "after epoch 1" in rank_output(out, 0) and rank_output(out, 1) == ""
-    again = load_file(out / "final" / "model.safetensors")
+    assert "after epoch 1" in rank_output(ddp_run, 0) and rank_output(ddp_run, 1) == ""
+    again = load_file(ddp_run / "final" / "model.safetensors")
     assert all(torch.equal(ddp[k], again[k]) for k in ddp)
+
+
+def tensor_kinds(tensors: dict) -> dict[str, tuple]:
+    """Name -> (shape, dtype) of every tensor in a (nested) state dict; plain values as they are."""
+    kinds = {}
+    for key, value in tensors.items():
+        if isinstance(value, dict):
+            kinds.update({f"{key}.{k}": v for k, v in tensor_kinds(value).items()})
+        else:
+            kinds[str(key)] = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+    return kinds
+
+
+def test_fsdp_equals_one_process_and_writes_what_ddp_writes(ddp_run, fsdp_run, one_process):
+    """``--data-parallel fsdp`` (FSDP2 over gloo): the weights of one process on the union
+    batch within lr/100, as DDP's (sharding the forward methods wrongly or averaging the loss
+    per rank would not be); every checkpoint has DDP's files, config and tensor names, shapes
+    and dtypes, and the training state DDP's keys and full tensors (only its ``data_parallel``
+    differs): they convert and serve alike."""
+    assert "2 data-parallel processes (fsdp)" in rank_output(fsdp_run, 0)
+    assert_rank_0_alone_wrote(fsdp_run)
+    assert_trained_as_one_process(fsdp_run, one_process)
+    for checkpoint in ("epoch_0", "epoch_1", "final"):
+        ours, theirs = fsdp_run / checkpoint, ddp_run / checkpoint
+        assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+        assert json.loads((ours / "config.json").read_text()) == json.loads((theirs / "config.json").read_text())
+        kinds = [tensor_kinds(load_file(d / "model.safetensors")) for d in (ours, theirs)]
+        assert kinds[0] == kinds[1]
+    states = [torch.load(run / "training_state.pt", weights_only=True) for run in (fsdp_run, ddp_run)]
+    assert [state.pop("data_parallel") for state in states] == ["fsdp", "ddp"]
+    for state in states:
+        state.pop("log")  # wall times
+        state.pop("ranks")  # generator states, compared as a whole below
+    ours, theirs = (tensor_kinds({k: v for k, v in s.items() if k in ("model", "optimizer")}) for s in states)
+    assert ours == theirs and any(key.startswith("optimizer.state.midlayer.") for key in ours)
+
+
+def test_interrupted_fsdp_run_resumes_to_the_uninterrupted_result(setup, fsdp_run, tmp_path):
+    """An FSDP run whose rank 0 dies as it writes the second epoch's checkpoint, rerun: it
+    resumes after the first epoch (each rank's shards of the saved weights and AdamW state)
+    and ends with the uninterrupted run's tensors exactly."""
+    cut = tmp_path / "cut"
+    died = torchrun(setup, cut, *RUN, "--data-parallel", "fsdp", die_at=cut / "epoch_1")
+    assert died.returncode != 0
+    assert torch.load(cut / "training_state.pt", weights_only=True)["epoch"] == 0
+    assert not (cut / "epoch_1").exists() and not (cut / "final").exists()
+    resumed = torchrun(setup, cut, *RUN, "--data-parallel", "fsdp")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "after epoch 0" in rank_output(cut, 0)
+    a, b = (load_file(run / "final" / "model.safetensors") for run in (fsdp_run, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "specforge"])
@@ -131,7 +224,8 @@ def test_refused_setups(setup, tmp_path, capsys, monkeypatch):
     run.mkdir()
     torch.save({"recipe": {}, "model": {}, "optimizer": {}, "epoch": 0, "world_size": 2}, run / "training_state.pt")
     assert main(train_args(setup, run, "--layers", "1,3")) == 2
-    assert "holds a run of 2 training process(es); resume it with as many" in capsys.readouterr().err
+    assert ("holds a run of 2 training process(es) (torchrun --nproc-per-node 2 -m vllm_edsd train --data-parallel "
+            "ddp ...); resume it with as many and the same --data-parallel") in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(train_args(setup, tmp_path / "x", "--layers", "1,3", "--device", "cuda")) == 2
         assert "CUDA is not available here" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from vllm_edsd.model.eagle3 import Eagle3DraftModel
 from vllm_edsd.model.edsd import EDSDDraftModel
 from vllm_edsd.target.hidden_states import decoder_of, load_target
 
-from .distributed import SINGLE, World, connect
+from .distributed import DATA_PARALLEL, DDP, SINGLE, World, connect
 from .features import (
     BACKENDS,
     aux_columns,
@@ -88,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a regulariser; default 0: none)")
     parser.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5, the paper's)")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--data-parallel", choices=DATA_PARALLEL, default=DDP,
+                        help="under torchrun, how the processes share the drafter: ddp (default) keeps the whole "
+                             "drafter, its gradients and AdamW state on every process; fsdp (PyTorch FSDP2) shards "
+                             "them over the processes, for a drafter that does not fit one device that way. Same "
+                             "checkpoints either way; no effect on one process")
     add_data_arguments(parser)
     parser.add_argument("--cache", help="where regenerated answers and target features are cached (default OUT/cache); "
                                         "runs that share it reuse what the other computed")
@@ -365,7 +370,7 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
                   "their answers after their own prompts")
         print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
               f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
-              + (f", {world.size} data-parallel processes" if world.size > 1 else ""))
+              + (f", {world.size} data-parallel processes ({world.data_parallel})" if world.size > 1 else ""))
     columns = None if feature_layers == layers else aux_columns(feature_layers, layers, text_cfg["hidden_size"])
     return Job(model, shards, draft_head, recipe, columns)
 
@@ -373,7 +378,7 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
 def run(args: argparse.Namespace) -> int:
     """``edsd train``: one process, or one rank of a torchrun (``distributed``)."""
     out = Path(args.out)
-    with connect(args.device) as (world, device):
+    with connect(args.device, args.data_parallel) as (world, device):
         job = prepare(args, world, device)
         log = train(job.model, job.shards, job.draft_head, job.recipe, out, lambda m, d: m.save_pretrained(d),
                     job.columns, world)

@@ -1,4 +1,6 @@
-"""Data-parallel training under ``torchrun`` (torch's DistributedDataParallel).
+"""Data-parallel training under ``torchrun``: torch's DistributedDataParallel, or FSDP2
+(``fully_shard``) where the drafter with its gradients and AdamW state does not fit one device
+(docs/scale.md, "Training under torchrun").
 
 ``torchrun --nproc-per-node N -m vllm_edsd train ARGS`` starts N processes that each train on
 their share of the feature shards; ``WORLD_SIZE`` > 1 in the environment (torchrun sets it with
@@ -19,12 +21,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from vllm_edsd.errors import EDSDError
 
 # Collectives wait this long: rank 0 extracts the target's features while the others wait.
 COLLECTIVE_TIMEOUT = timedelta(hours=24)
 CONNECT_SECONDS = 60  # how long a rank waits for the master's address to accept connections
+# How the ranks share the drafter (``edsd train --data-parallel``): every rank a full copy whose
+# gradients are averaged, or weights, gradients and optimizer state sharded over the ranks.
+DDP, FSDP = "ddp", "fsdp"
+DATA_PARALLEL = (DDP, FSDP)
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class World:
     rank: int = 0
     size: int = 1
     device: str = "cpu"  # where collectives' tensors live
+    data_parallel: str | None = None  # DDP or FSDP; None: one process
 
     @property
     def main(self) -> bool:
@@ -114,9 +122,10 @@ def _rank_device(device: str, local_rank: int) -> str:
 
 
 @contextmanager
-def connect(device: str) -> Iterator[tuple[World, str]]:
+def connect(device: str, data_parallel: str = DDP) -> Iterator[tuple[World, str]]:
     """This process's ``World`` and the device it trains on, for the duration of the block:
-    a process group when ``WORLD_SIZE`` > 1 (destroyed on exit), none otherwise."""
+    a process group when ``WORLD_SIZE`` > 1 (destroyed on exit), whose ranks share the drafter
+    as ``data_parallel`` says; none otherwise."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EDSDError(f"--device {device}: CUDA is not available here; use --device cpu")
     if int(os.environ.get("WORLD_SIZE", "1") or "1") <= 1:
@@ -137,6 +146,21 @@ def connect(device: str) -> Iterator[tuple[World, str]]:
         raise EDSDError(f"cannot join the {size} training processes ({backend}): "
                         f"{str(exc).strip().splitlines()[0][:200]}") from None
     try:
-        yield World(rank, size, device if backend == "nccl" else "cpu"), device
+        yield World(rank, size, device if backend == "nccl" else "cpu", data_parallel), device
     finally:
         dist.destroy_process_group()
+
+
+def shard_drafter(drafter: nn.Module, world: World) -> None:
+    """FSDP2 over ``world``'s ranks, in place: the decoder layer is one group, the rest (``fc``,
+    the fusion, norm and head, the frozen embedding) the root's. The loss calls the drafter's
+    ``project`` and ``step``, never ``forward``, so those two gather the root's shards.
+    Imported here: FSDP imports DTensor, about a second that other runs need not pay."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(torch.device(world.device).type, (world.size,))
+    fully_shard(drafter.midlayer, mesh=mesh)
+    fully_shard(drafter, mesh=mesh)
+    for method in ("project", "step"):
+        register_fsdp_forward_method(drafter, method)

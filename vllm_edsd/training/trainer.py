@@ -13,6 +13,7 @@ loss is weighted 0.8^k.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -32,7 +33,7 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.model.edsd import KeyValueSteps
 from vllm_edsd.target.hidden_states import token_entropy
 
-from .distributed import SINGLE, World
+from .distributed import DDP, FSDP, SINGLE, World, shard_drafter
 from .features import SHARD_SIZE, iterate_batches, join_batches
 from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
@@ -178,24 +179,67 @@ class _Loss(torch.nn.Module):
                         self.recipe.feature_noise, self.world)
 
 
+def _state_dicts():
+    """torch's state-dict functions for any parallelism, imported when training saves or resumes:
+    they import DTensor, about a second that ``edsd --help`` and ``edsd features`` need not pay."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _full_on_cpu():
+    """Checkpoints and the training state hold full tensors on the CPU, whatever the parallelism."""
+    return _state_dicts().StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
 class Fitter:
-    """A drafter, its optimizer and one optimizer step; with ``world.size`` > 1 the loss runs
-    in torch's DistributedDataParallel, which averages the gradients over the ranks."""
+    """A drafter, its optimizer and one optimizer step. With ``world.size`` > 1 the loss runs in
+    torch's DistributedDataParallel, which averages the gradients over the ranks, or (FSDP) the
+    drafter is sharded over them (``distributed.shard_drafter``) and FSDP averages them."""
 
     def __init__(self, model, draft_head: torch.Tensor, recipe: Recipe, world: World = SINGLE) -> None:
         self.model, self.recipe = model, recipe
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.full_model = model  # what rank 0 writes checkpoints from
+        if world.data_parallel == FSDP:
+            model.cpu()  # sharding moves each rank's shards back to its device
+            self.full_model = copy.deepcopy(model) if world.main else None  # unsharded, in host memory
+            shard_drafter(model, world)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP's: this rank's shards
         self.optimizer = torch.optim.AdamW(self.trainable, lr=recipe.lr, betas=(0.9, 0.95))
         loss = _Loss(model, draft_head, recipe, world)
-        self.loss = DistributedDataParallel(loss) if world.size > 1 else loss
+        self.loss = DistributedDataParallel(loss) if world.data_parallel == DDP else loss
 
     def step(self, batch: dict[str, torch.Tensor], steps: int, percent: float) -> BatchResult:
         result = self.loss(batch, steps, percent)
         self.optimizer.zero_grad()
         result.loss.backward()
+        # FSDP's sharded gradients are DTensors: their norm is the whole drafter's
         torch.nn.utils.clip_grad_norm_(self.trainable, self.recipe.grad_clip)
         self.optimizer.step()
         return result
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The drafter's full tensors on the CPU: on rank 0, empty on the others. Every rank
+        calls it (FSDP gathers the shards)."""
+        return _state_dicts().get_model_state_dict(self.model, options=_full_on_cpu())
+
+    def full_optimizer_state(self) -> dict:
+        """AdamW's full state on the CPU, keyed by parameter name: on rank 0, as above."""
+        return _state_dicts().get_optimizer_state_dict(self.model, self.optimizer, options=_full_on_cpu())
+
+    def load_full_state(self, state: dict) -> None:
+        """Load the saved ``model`` and ``optimizer`` (also an optimizer state keyed by index, as
+        this trainer saved it before FSDP): under FSDP each rank keeps its shards."""
+        states = _state_dicts()
+        states.set_model_state_dict(self.model, state["model"], options=_full_on_cpu())
+        states.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_full_on_cpu())
+
+    def checkpoint_model(self, weights: dict[str, torch.Tensor]):
+        """On rank 0, a drafter holding ``weights`` (``full_model_state``) for ``save_checkpoint``:
+        the trained one itself, or under FSDP rank 0's unsharded copy, loaded with them."""
+        if self.full_model is not self.model:
+            self.full_model.load_state_dict(weights)
+        return self.full_model
 
 
 def count_batches(shards: list[Path], batch_size: int) -> int:
@@ -231,19 +275,28 @@ def _union_sums(sums: dict, world: World) -> dict:
             **{key: int(value) for key, value in zip(("masked", "eligible", "counted"), total[1 + n :])}}
 
 
+def _check_parallelism(state: dict, run: Path, world: World) -> None:
+    """Refuse to resume a run with another number of processes or another ``--data-parallel``:
+    the ranks' data orders and RNG states are saved per rank (states written before FSDP
+    existed say nothing of it: DDP with several processes)."""
+    size = state.get("world_size", 1)
+    data_parallel = state.get("data_parallel", DDP if size > 1 else None)
+    if (size, data_parallel) != (world.size, world.data_parallel):
+        how = (f"torchrun --nproc-per-node {size} -m vllm_edsd train --data-parallel {data_parallel} ..."
+               if data_parallel else "edsd train, without torchrun")
+        raise EDSDError(f"{run}: holds a run of {size} training process(es) ({how}); resume it with as many and "
+                        "the same --data-parallel, or use another --out")
+
+
 def _resume(state_path: Path, fitter: Fitter, generator: torch.Generator, world: World) -> tuple[int, list[dict]]:
     """The first epoch to run and the log so far, with the model, optimizer and this rank's
     shuffling and RNG states as saved after the last finished epoch."""
     state, recipe = _read_state(state_path), fitter.recipe
-    saved_size = state.get("world_size", 1)
-    if saved_size != world.size:
-        raise EDSDError(f"{state_path.parent}: holds a run of {saved_size} training process(es); resume it with "
-                        f"as many (torchrun --nproc-per-node {saved_size}) or use another --out")
+    _check_parallelism(state, state_path.parent, world)
     defaults = {name: f.default for name, f in Recipe.__dataclass_fields__.items()}
     if {**defaults, **state["recipe"]} != asdict(recipe):  # a field added since: its default
         raise EDSDError(f"{state_path.parent}: holds an interrupted run with a different recipe; use another --out")
-    fitter.model.load_state_dict(state["model"])
-    fitter.optimizer.load_state_dict(state["optimizer"])
+    fitter.load_full_state(state)
     own = state["ranks"][world.rank] if world.size > 1 else state
     generator.set_state(own["generator"])
     torch.set_rng_state(own["rng"]["torch"])
@@ -275,9 +328,10 @@ def train(
     all take the same optimizer steps; a longer rank's last batches of that epoch's order are
     skipped. Loss and gradients equal one process's on the union of the ranks' batches
     (``ttt_loss``), except the ``specforge`` reading's entropy ranking, which ranks over each
-    rank's own batch. Only rank 0 prints, writes checkpoints, the state and the log; the state
-    holds every rank's shuffling and RNG states, so a resume with as many processes continues
-    exactly (with another number it is refused).
+    rank's own batch. Only rank 0 prints, writes checkpoints, the state and the log, all of
+    full tensors whatever ``world.data_parallel`` (FSDP's shards are gathered first); the state
+    holds every rank's shuffling and RNG states, so a resume with as many processes and the
+    same parallelism continues exactly (otherwise it is refused).
     """
     if len(shards) < world.size:
         raise EDSDError(f"{len(shards)} feature shard(s) for {world.size} training processes: each needs at least "
@@ -297,19 +351,21 @@ def train(
         batches = epoch_batches(shards, recipe.batch_size, [generator], columns, [world.rank], world.size, steps)
         entry = _run_epoch(fitter, batches, epoch, world)
         log.append({**entry, "wall_s": time.time() - started})
-        ranks = world.gather(_rank_state(generator))
+        ranks, weights, optimizer = (world.gather(_rank_state(generator)), fitter.full_model_state(),
+                                     fitter.full_optimizer_state())
         if world.main:
-            save_checkpoint(model, out_dir / f"epoch_{epoch}")
-            state = {"recipe": asdict(recipe), "model": model.state_dict(), "optimizer": fitter.optimizer.state_dict(),
-                     **ranks[0], "epoch": epoch, "log": log, "world_size": world.size}
+            save_checkpoint(fitter.checkpoint_model(weights), out_dir / f"epoch_{epoch}")
+            state = {"recipe": asdict(recipe), "model": weights, "optimizer": optimizer, **ranks[0], "epoch": epoch,
+                     "log": log, "world_size": world.size, "data_parallel": world.data_parallel}
             if world.size > 1:
                 state["ranks"] = ranks
             # an interruption mid-write keeps the old state
             replace_file(state_path, lambda tmp: torch.save(state, tmp))  # noqa: B023 (called at once)
             log_path.write_text("".join(json.dumps(e) + "\n" for e in log))  # the log of the saved state
         world.barrier()
+    weights = fitter.full_model_state()
     if world.main:
-        save_checkpoint(model, out_dir / "final")
+        save_checkpoint(fitter.checkpoint_model(weights), out_dir / "final")
     world.barrier()
     return log
 
