@@ -14,6 +14,7 @@ import torch
 
 from vllm_edsd.demo import ASSETS, DEMO_PROMPTS
 from vllm_edsd.demo.target import demo_target
+from vllm_edsd.training.features import read_shard
 
 # Both paths run the target in float32 and store bfloat16: the float32 states differ by ~2e-6
 # relative (measured), so a stored value may round to the neighbouring bfloat16 (2^-8 relative).
@@ -29,7 +30,7 @@ def edsd(*args: str) -> str:
 
 def stored(cache: Path) -> dict[tuple[int, ...], dict]:
     """Every cached record, by its tokens."""
-    records = [r for shard in sorted((cache / "features").glob("shard-*.pt")) for r in torch.load(shard)]
+    records = [r for shard in sorted((cache / "features").glob("shard-*.safetensors")) for r in read_shard(shard)]
     return {tuple(r["input_ids"].tolist()): r for r in records}
 
 

@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 from support.toy import toy_corpus
 
+from vllm_edsd.training.features import read_shard
+
 pytestmark = pytest.mark.gpu
 
 BF16_STEP = 2.0**-7  # the stored features are bfloat16; both paths run the target in float32
@@ -41,8 +43,8 @@ def data(tmp_path_factory) -> Path:
 
 
 def records(cache: Path) -> dict[tuple[int, ...], dict]:
-    return {tuple(r["input_ids"].tolist()): r for shard in (cache / "features").glob("shard-*.pt")
-            for r in torch.load(shard)}
+    return {tuple(r["input_ids"].tolist()): r for shard in (cache / "features").glob("shard-*.safetensors")
+            for r in read_shard(shard)}
 
 
 def test_vllm_features_on_cuda_equal_the_transformers_ones(models, data, tmp_path):

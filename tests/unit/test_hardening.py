@@ -332,12 +332,13 @@ def test_a_fixed_temporary_name_held_by_another_run_does_not_collide(models, tmp
     """Feature shards were written to ``shard_NNNNN.tmp``: a concurrent run holding that name
     broke (or was broken by) this one."""
     from vllm_edsd.target.hidden_states import TransformersFeatures, load_target
-    from vllm_edsd.training.features import extract_features, shard_path
+    from vllm_edsd.training.features import FeatureSpec, extract_features, shard_path
 
-    samples = [([1, 5, 6, 7], [0, 1, 1, 1])]
-    shard = shard_path(tmp_path, "", samples)
+    samples, spec = [([1, 5, 6, 7], [0, 1, 1, 1])], FeatureSpec.of(models["llama"], (1, 3), "float32", "transformers")
+    shard = shard_path(tmp_path, spec, samples)
     shard.with_suffix(".tmp").mkdir()
-    assert extract_features(TransformersFeatures(load_target(models["llama"]), (1, 3)), samples, tmp_path) == [shard]
+    source = TransformersFeatures(load_target(models["llama"]), (1, 3))
+    assert extract_features(source, samples, tmp_path, spec) == [shard]
     assert shard.is_file()
 
 

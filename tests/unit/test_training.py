@@ -241,11 +241,11 @@ def test_both_methods_share_one_feature_extraction(models, chat_data, tmp_path):
     assert train(models, chat_data, tmp_path / "own", "--layers", "1,3", "--epochs", "1") == 0
     assert train(models, chat_data, tmp_path / "edsd", "--layers", "1,3", "--epochs", "1",
                  "--cache", shared, "--feature-layers", "3,2,1") == 0
-    written = {p: p.stat().st_mtime_ns for p in (shared / "features").iterdir()}
+    written = {p: p.stat().st_mtime_ns for p in (shared / "features").glob("shard-*")}
     assert written
     assert train(models, chat_data, tmp_path / "e3", "--method", "eagle3", "--layers", "1,2,3", "--epochs", "1",
                  "--cache", shared, "--feature-layers", "1,2,3") == 0
-    assert {p: p.stat().st_mtime_ns for p in (shared / "features").iterdir()} == written
+    assert {p: p.stat().st_mtime_ns for p in (shared / "features").glob("shard-*")} == written
     from safetensors.torch import load_file
 
     own, picked = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("own", "edsd"))
@@ -255,19 +255,22 @@ def test_both_methods_share_one_feature_extraction(models, chat_data, tmp_path):
 def test_a_prefix_of_the_samples_reuses_its_shards(models, monkeypatch, tmp_path):
     """Shards are named by their content: a run on more samples (a learning curve's next
     size) reuses the shards of the samples it shares and extracts only the rest."""
+    from dataclasses import replace
+
     from vllm_edsd.target.hidden_states import TransformersFeatures, load_target
     from vllm_edsd.training import features
 
     monkeypatch.setattr(features, "SHARD_SIZE", 2)
     target = TransformersFeatures(load_target(models["llama"]), (1, 3))
+    spec = features.FeatureSpec.of(models["llama"], (1, 3), "float32", "transformers")
     samples = [([1, 5 + i, 6, 7 + i], [0, 1, 1, 1]) for i in range(5)]
-    first = features.extract_features(target, samples[:4], tmp_path, key="k")
+    first = features.extract_features(target, samples[:4], tmp_path, spec)
     written = {p: p.stat().st_mtime_ns for p in first}
-    more = features.extract_features(target, samples, tmp_path, key="k")
+    more = features.extract_features(target, samples, tmp_path, spec)
     assert more[:2] == first and {p: p.stat().st_mtime_ns for p in first} == written
-    assert len(more) == 3 and len(set(tmp_path.iterdir())) == 3
-    other_key = features.extract_features(target, samples[:2], tmp_path, key="other")
-    assert other_key[0] not in more
+    assert len(more) == 3 and len(set(tmp_path.glob("shard-*"))) == 3
+    other_spec = features.extract_features(target, samples[:2], tmp_path, replace(spec, backend="other"))
+    assert other_spec[0] not in more
 
 
 class _MakesDirectory:

@@ -1,11 +1,14 @@
 """Reading and writing drafter weights: safetensors (single or sharded) and legacy
 ``pytorch_model.bin`` (loaded with ``weights_only=True``: no arbitrary unpickling).
 
-Readers yield tensors one at a time so that multi-GB drafters are streamed.
+Readers yield tensors one at a time so that multi-GB drafters are streamed. A checkpoint's
+fingerprint (config.json and its weight files, sampled) names what cached target features
+were computed from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -33,6 +36,25 @@ def load_json(file: Path) -> object:
         raise EDSDError(f"{file}: invalid JSON (nested too deeply)") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, and int() of a huge number
         raise EDSDError(f"{file}: invalid JSON ({exc})") from None
+
+
+FINGERPRINT_SAMPLE = 1 << 20  # bytes read at each end of a weight file
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """A short hash of a checkpoint directory's ``config.json`` and of its weight files' names,
+    sizes, first and last MiB: cheap for a target of many GB, the same after a copy (no mtime),
+    and changed by new weights (a safetensors file starts with its header and first tensor)."""
+    path = Path(path)
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in weight_files(path):
+        size = file.stat().st_size
+        digest.update(json.dumps([file.name, size]).encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(FINGERPRINT_SAMPLE))
+            f.seek(max(size - FINGERPRINT_SAMPLE, 0))
+            digest.update(f.read(FINGERPRINT_SAMPLE))
+    return digest.hexdigest()[:16]
 
 
 def _shard_names(index: Path) -> dict[str, str]:
@@ -144,6 +166,19 @@ def tensor_files(path: str | Path) -> dict[str, Path]:
 def _safetensors_names(file: Path) -> list[str]:
     with _open_safetensors(file) as f:
         return list(f.keys())
+
+
+def safetensors_metadata(file: Path) -> dict[str, str]:
+    """The string metadata of a safetensors file's header, reading no tensor data; a truncated
+    or corrupt file is one error naming it."""
+    with _open_safetensors(file) as f:
+        return f.metadata() or {}
+
+
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, errors naming the file."""
+    with _open_safetensors(file) as f:
+        return {name: _get_tensor(f, file, name) for name in f.keys()}
 
 
 def read_tensor(file: Path, name: str) -> torch.Tensor:

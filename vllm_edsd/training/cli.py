@@ -35,9 +35,9 @@ from vllm_edsd.target.hidden_states import decoder_of, load_target
 from .distributed import DATA_PARALLEL, DDP, SINGLE, World, connect
 from .features import (
     BACKENDS,
+    FeatureSpec,
     aux_columns,
     extract_features,
-    feature_key,
     feature_source,
     resolve_backend,
     shard_paths,
@@ -310,17 +310,18 @@ def feature_shards(
     args: argparse.Namespace, samples: list, layer_ids: tuple[int, ...], cache: Path, world: World = SINGLE,
     device: str | None = None,
 ) -> list[Path]:
-    """The samples' feature shards in ``cache/features``, extracted where missing (by rank 0:
-    the others wait, then list the same shards) by the backend ``--features-backend`` picks."""
+    """The samples' feature shards in ``cache/features``, extracted where missing and checked
+    where found (by rank 0: the others wait, then list the same shards) by the backend
+    ``--features-backend`` picks."""
     device = device or args.device
     dtype, backend = target_dtype(args, device), resolve_backend(args.features_backend, quiet=not world.main)
-    key = feature_key(args.target, layer_ids, dtype, backend)
+    spec = FeatureSpec.of(args.target, layer_ids, dtype, backend)
     if world.main:
         with feature_source(backend, args.target, layer_ids, dtype=dtype, max_length=args.max_length,
                             device=device, engine_args=args.vllm_args) as source:
-            extract_features(source, samples, cache / "features", key=key)
+            extract_features(source, samples, cache / "features", spec)
     world.barrier()
-    return shard_paths(cache / "features", key, samples)
+    return shard_paths(cache / "features", spec, samples)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """``edsd features``: the target's features for the training samples, extracted once (by vLLM
-where it can) into the shard cache that ``edsd train`` then reads (docs/scale.md).
+where it can) into the shard cache that ``edsd train`` then reads, with a manifest of the
+run's shards (docs/scale.md, "Feature shards").
 
 The samples are decided by the same options as ``edsd train``'s, so a following
 ``edsd train TARGET --cache CACHE --feature-layers IDS`` with those options finds every shard
@@ -14,6 +15,7 @@ from pathlib import Path
 from vllm_edsd.checkpoint.config import decoder_layers
 
 from .cli import add_data_arguments, feature_shards, resolve_feature_layers, training_samples
+from .features import manifest_path
 
 EPILOG = """\
 examples:
@@ -46,4 +48,5 @@ def run(args: argparse.Namespace) -> int:
     stored = sum(path.stat().st_size for path in shards)
     print(f"features: {len(samples)} samples of {read} conversations ({skipped} not renderable), {positions:,} "
           f"positions, layers {list(layers)}: {len(shards)} shards, {stored / 2**20:,.1f} MiB in {cache / 'features'}")
+    print(f"manifest: {manifest_path(cache / 'features', shards)}")
     return 0

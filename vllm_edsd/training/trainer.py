@@ -34,7 +34,7 @@ from vllm_edsd.model.edsd import KeyValueSteps
 from vllm_edsd.target.hidden_states import token_entropy
 
 from .distributed import DDP, FSDP, SINGLE, World, shard_drafter
-from .features import SHARD_SIZE, iterate_batches, join_batches
+from .features import SHARD_SIZE, iterate_batches, join_batches, shard_samples
 from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
 STEP_WEIGHT = 0.8
@@ -243,9 +243,8 @@ class Fitter:
 
 
 def count_batches(shards: list[Path], batch_size: int) -> int:
-    """How many batches ``iterate_batches`` makes of ``shards`` (memory-mapped: only their
-    sample counts are read)."""
-    return sum(math.ceil(len(torch.load(path, weights_only=True, mmap=True)) / batch_size) for path in shards)
+    """How many batches ``iterate_batches`` makes of ``shards`` (from their headers alone)."""
+    return sum(math.ceil(shard_samples(path) / batch_size) for path in shards)
 
 
 def epoch_batches(
