@@ -11,7 +11,8 @@ but the results lives under ``--work`` (default ``~/.cache/vllm-edsd/learning-cu
 3. for every size N and method: ``edsd train`` on the first N conversations with the demo
    recipe; both methods and every size read one feature cache (shards named by content);
 4. τ of each drafter served by vLLM (K, greedy, ignore EOS, float32) on the bench's held-out
-   prompts (five categories), batched; EDSD converted to vLLM's layout first.
+   prompts (five categories), batched, and on as many prompts it trained on (the gap between
+   the two is what the drafter memorised); EDSD converted to vLLM's layout first.
 
 Writes ``results.json``, ``report.md`` and ``learning_curve.png`` into ``--out``.
 """
@@ -90,17 +91,29 @@ def train_point(plan, method: str, size: int, extra: list[str]) -> Path:
     return served
 
 
-def measure(drafter: Path, method: str, target: Path, args: argparse.Namespace) -> dict:
-    """τ of one drafter served by vLLM on the held-out prompts (greedy, batched), in float32 and
-    eager like the shipped drafters' acceptance check: the same figure on every CPU."""
+def seen_prompts(plan, count: int) -> list[list[dict]]:
+    """The first ``count`` training prompts: every size of the curve trains on them (sizes are
+    prefixes of one data set), so τ on them against τ on held-out prompts shows how much of
+    what a drafter learned carries over to prompts it never saw."""
+    from vllm_edsd.data import load_conversations
+
+    conversations = load_conversations(plan.data(), count)
+    return [conv[: next(i for i, turn in enumerate(conv) if turn["role"] == "user") + 1] for conv in conversations]
+
+
+def measure(drafter: Path, method: str, plan, args: argparse.Namespace) -> dict:
+    """τ of one drafter served by vLLM on the held-out prompts and on as many of its training
+    prompts (greedy, batched), in float32 and eager like the shipped drafters' acceptance check:
+    the same figure on every CPU."""
     from vllm_edsd.demo import ACCEPTANCE_CHECK
     from vllm_edsd.launch.engine import llm_session, speculative_config
 
-    prompts = [c for category in CATEGORIES for c in load_prompts(category, args.prompts_per_category)]
+    held_out = [c for category in CATEGORIES for c in load_prompts(category, args.prompts_per_category)]
     spec = speculative_config(method, str(drafter), args.k)
-    with llm_session(str(target), spec, **ACCEPTANCE_CHECK["llm_kwargs"]) as llm:
-        result = generate(llm, prompts, 0.0, args.max_tokens, one_at_a_time=False)
-    return {key: result[key] for key in ("tau", "acceptance_per_pos", "drafts", "dtype")}
+    with llm_session(plan.target, spec, **ACCEPTANCE_CHECK["llm_kwargs"]) as llm:
+        result = generate(llm, held_out, 0.0, args.max_tokens, one_at_a_time=False)
+        seen = generate(llm, seen_prompts(plan, len(held_out)), 0.0, args.max_tokens, one_at_a_time=False)
+    return {**{key: result[key] for key in ("tau", "acceptance_per_pos", "drafts", "dtype")}, "tau_seen": seen["tau"]}
 
 
 def point(plan, method: str, size: int, args: argparse.Namespace) -> dict:
@@ -111,7 +124,7 @@ def point(plan, method: str, size: int, args: argparse.Namespace) -> dict:
             "positions": log[-1]["positions_trained"],
             "train_wall_s": round(sum(e["wall_s"] for e in log), 1),
             "train_acc_per_step": [round(a, 4) for a in log[-1]["acc_per_step"]],
-            **measure(drafter, method, Path(plan.target), args)}
+            **measure(drafter, method, plan, args)}
 
 
 def same_point(a: dict, b: dict) -> bool:
@@ -142,14 +155,16 @@ def render(results: dict) -> str:
              f"Command: `{results['command']}`  ",
              f"Machine: {describe(results['machine'])}; drafters trained in float32, target served in "
              f"{rows[0]['dtype']}.  ",
-             f"Held out: {results['held_out']}.", "",
-             "| method | conversations | positions | τ | acceptance per position | train acc (last epoch) "
-             "| training wall time |",
-             "|---|---|---|---|---|---|---|"]
+             f"Held out: {results['held_out']}.  ",
+             f"Seen: {results.get('seen', 'not measured')}.", "",
+             "| method | conversations | positions | τ | acceptance per position | τ on seen prompts "
+             "| train acc (last epoch) | training wall time |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["method"] + (f" `{r['variant']}`" if r.get("variant") else "")
         lines.append(f"| {name} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | "
                      + " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
+                     + (f" | {r['tau_seen']:.3f}" if "tau_seen" in r else " | -")
                      + f" | {r['train_acc_per_step'][0]:.2f} | {r['train_wall_s'] / 60:.1f} min |")
     return "\n".join(lines) + "\n"
 
@@ -199,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                    "machine": machine(), "k": args.k, "measurement": measurement(args),
                    "points": earlier_points(out / "results.json", args),
                    "held_out": f"the bench's prompts, {args.prompts_per_category} per category "
-                               f"({', '.join(CATEGORIES)}), {args.max_tokens} tokens each, batched"}
+                               f"({', '.join(CATEGORIES)}), {args.max_tokens} tokens each, batched",
+                   "seen": f"the first {args.prompts_per_category * len(CATEGORIES)} training prompts (every size "
+                           "trains on them), measured alike"}
         out.mkdir(parents=True, exist_ok=True)
         started = time.time()
         for size in tqdm(sizes, desc="sizes", unit="size"):

@@ -100,14 +100,16 @@ def test_learning_curve_report_and_plot(tmp_path):
     machine = {"processor": "CPU X", "cpu_instruction_set": "avx2", "cores": 2, "vllm": "0.32.0"}
     points = [{"method": m, "conversations": n, "positions": n * 150, "tau": 1.2 + n / 1000 + (m == "edsd") / 10,
                "acceptance_per_pos": [0.2, 0.05, 0.01, 0.0], "drafts": 10, "dtype": "bfloat16",
-               "train_wall_s": 60.0 * n / 64, "train_acc_per_step": [0.5, 0.4]}
+               "train_wall_s": 60.0 * n / 64, "train_acc_per_step": [0.5, 0.4], "tau_seen": 1.5 + n / 1000}
               for m in ("eagle3", "edsd") for n in (64, 720)]
+    points[0].pop("tau_seen")  # a point measured before the seen prompts were
     results = {"command": "python -m bench.learning_curve --out x", "machine": machine, "k": 4,
-               "held_out": "the bench's prompts", "points": points}
+               "held_out": "the bench's prompts", "seen": "the first 20 training prompts", "points": points}
     table = render(results)
     assert "CPU X (avx2), 2 cores" in table and "target served in bfloat16" in table
-    assert "| edsd | 720 | 108,000 | 2.020 | 0.20 / 0.05 / 0.01 / 0.00 | 0.50 | 11.2 min |" in table
-    assert table.count("| eagle3 |") == 2
+    assert "| edsd | 720 | 108,000 | 2.020 | 0.20 / 0.05 / 0.01 / 0.00 | 2.220 | 0.50 | 11.2 min |" in table
+    assert "| eagle3 | 64 | 9,600 | 1.264 | 0.20 / 0.05 / 0.01 / 0.00 | - | 0.50 | 1.0 min |" in table
+    assert "Seen: the first 20 training prompts." in table and table.count("| eagle3 |") == 2
     plot(results, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
 
