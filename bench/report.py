@@ -19,12 +19,44 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _load(machine: dict) -> str:
+    """The load average when the results were written (absent from older results)."""
+    load = machine.get("load_average")
+    return "" if load is None else f"; load average (1/5/15 min) when written: {' / '.join(map(str, load))}"
+
+
+def _draft_cost(rows: list[dict]) -> list[str]:
+    """The draft-cost tables: timings, then each draft's parts (bench/draft_cost.py)."""
+    out = ["\n## Draft-step cost (batch 1, greedy; vLLM's profiler)\n\n"
+           "t_target: the target's forward in a decode step (K+1 tokens with a drafter, 1 without); t_draft: "
+           "vLLM's draft scope (K drafter forwards and their bookkeeping); medians over the decode steps of one "
+           "profiled generation, both from the same engine.\n"]
+    out.append(_table(
+        ["method", "K", "mode", "dtype", "steps", "t_target ms", "t_draft ms", "t_draft / t_target",
+         "per draft forward / t_target"],
+        [[r["method"], str(r["k"]), r["mode"], r["dtype"], str(r["steps"]), _fmt(r["t_target_ms"]),
+          _fmt(r.get("t_draft_ms")), _fmt(r.get("draft_over_target"), ".3f"),
+          _fmt(r.get("per_draft_forward_over_target"), ".3f")] for r in rows]))
+    split = [r for r in rows if "draft_parts_ms" in r]
+    if split:
+        names = list(split[0]["draft_parts_ms"])
+        out.append("\n### Where a draft step goes (ms per step)\n\nFrom a second engine whose profiler also "
+                   "records Python calls; that slows Python more than kernels, so its t_draft is above the one "
+                   "above. Plugin hooks: time in vllm-edsd's own frames outside the drafter's forward.\n")
+        out.append(_table(
+            ["method", "K", "mode", "dtype", "traced t_draft", "forwards", *names],
+            [[r["method"], str(r["k"]), r["mode"], r["dtype"], _fmt(r["traced_t_draft_ms"]),
+              _fmt(r["drafter_forwards"], "g"), *(_fmt(r["draft_parts_ms"][n]) for n in names)] for r in split]))
+    return out
+
+
 def render(results: dict) -> str:
     runs, m = results["runs"], results["machine"]
     out = [
         f"# Benchmark report\n\nmachine: {m['processor']} ({m['cores']} cores; {m.get('cpu_instruction_set', '?')}), "
         f"accelerator: {m['accelerator']}; engines' dtype: {m.get('default_dtype', '?')} (each row names its own); "
-        f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}\n\ntarget: `{results['config']['target']}`; "
+        f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}{_load(m)}\n\n"
+        f"target: `{results['config']['target']}`; "
         f"drafters: "
         + ", ".join(f"{k} `{v}`" for k, v in results["config"]["drafters"].items())
         + f"\n\ncommand: `{results['config']['command']}`\n"
@@ -155,6 +187,9 @@ def render(results: dict) -> str:
             [[m, str(k), str(b), half, dtype, "drafts" if half == "even" else "opts out",
               *(_fmt(tok_s.get((m, k, half, run)), ".1f") for run in ("all-K", "all-off", "half-off"))]
              for m, k, b, half, dtype in halves]))
+    cost = [r for r in runs if r["suite"] == "draft-cost"]
+    if cost:
+        out += _draft_cost(cost)
     return "\n".join(out) + "\n"
 
 
