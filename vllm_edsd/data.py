@@ -131,7 +131,9 @@ class TemplateError(EDSDError):
     """The chat template re-renders earlier turns once the conversation goes on."""
 
 
-def _template_ids(tokenizer, messages: Conversation, generation_prompt: bool) -> list[int]:
+def template_ids(tokenizer, messages: Conversation, generation_prompt: bool) -> list[int]:
+    """The chat template's token ids for ``messages`` (rendered, then tokenised without adding
+    special tokens: the template writes its own)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -155,16 +157,16 @@ def render_conversation(
         ids, mask = [], []
         for i, message in enumerate(conversation):
             if message["role"] == "assistant" and i > 0:
-                head = _template_ids(tokenizer, conversation[:i], generation_prompt=True)
+                head = template_ids(tokenizer, conversation[:i], generation_prompt=True)
                 mask += [0] * (len(head) - len(ids))
                 ids = head
-            full = _template_ids(tokenizer, conversation[: i + 1], generation_prompt=False)
+            full = template_ids(tokenizer, conversation[: i + 1], generation_prompt=False)
             if full[: len(ids)] != ids:
                 raise TemplateError("the chat template does not render a conversation prefix as a token prefix")
             mask += [1 if message["role"] == "assistant" else 0] * (len(full) - len(ids))
             ids = full
         if generation_prompt:
-            full = _template_ids(tokenizer, conversation, generation_prompt=True)
+            full = template_ids(tokenizer, conversation, generation_prompt=True)
             mask += [0] * (len(full) - len(ids))
             ids = full
     if max_length is not None:
@@ -192,8 +194,8 @@ def render_samples(
     for i, message in enumerate(conversation):
         if message["role"] != "assistant" or i == 0:
             continue
-        head = _template_ids(tokenizer, conversation[:i], generation_prompt=True)
-        full = _template_ids(tokenizer, conversation[: i + 1], generation_prompt=False)
+        head = template_ids(tokenizer, conversation[:i], generation_prompt=True)
+        full = template_ids(tokenizer, conversation[: i + 1], generation_prompt=False)
         if full[: len(head)] != head:
             raise TemplateError("the chat template does not render an answer after its own prompt")
         mask = [0] * len(head) + [1] * (len(full) - len(head))

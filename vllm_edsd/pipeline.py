@@ -321,7 +321,7 @@ class Plan:
         data = self.cfg["data"]
         limit = self.train["max_samples"] if data["file"] else None
         answered = regenerate(self.target, load_conversations(self.prompts(), limit), self.work / "cache",
-                              data["answer_tokens"], self.cfg["target"]["vllm"])
+                              data["answer_tokens"], self.cfg["target"]["vllm"], device=self.train["device"])
         write_conversations(self.data(), answered)
 
     # -- select, features, train, convert: `edsd` subcommands
@@ -391,7 +391,8 @@ class Plan:
                   lambda: f"given: {data['file']}" if data["file"] else
                   f"write {data['sharegpt_chat']} chat + {data['sharegpt_code']} code ShareGPT prompts"),
             Stage("regenerate", self.data(), self.data().is_file, self.regenerate,
-                  lambda: f"the target answers the prompts through vLLM ({data['answer_tokens']} tokens at most)",
+                  lambda: f"the target answers the prompts through vLLM, else transformers "
+                          f"({data['answer_tokens']} tokens at most)",
                   None if data["regenerate"] else "data.regenerate is false"),
             command_stage("select", self.layers_json, self.layers_json.is_file, self.select_argv,
                           "layers.edsd given" if self.cfg["layers"]["edsd"] else

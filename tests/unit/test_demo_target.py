@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vllm_edsd.demo.target import GGUF_NAME, convert_gguf, demo_target, gguf_path
+from vllm_edsd.demo.target import GGUF_NAME, convert_gguf, demo_target, gguf_path, set_special_tokens, special_token_ids
 from vllm_edsd.errors import EDSDError
 
 PROMPTS = [
@@ -48,6 +48,19 @@ def test_converted_checkpoint_is_a_chat_model(converted):
     assert tokenizer.eos_token == "<|im_end|>"
     text = tokenizer.apply_chat_template(PROMPTS[0], add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_special_tokens_come_from_the_gguf_itself(converted):
+    """A tokenizer reader that mistakes one special token for another (transformers 5.17 made
+    <|im_start|> the end of sequence) is corrected from the file's own ids."""
+    ids = special_token_ids(gguf_path())
+    assert ids == {"bos_token": 1, "eos_token": 2, "pad_token": 2, "unk_token": 0}
+    tokenizer = AutoTokenizer.from_pretrained(str(converted))
+    tokenizer.eos_token = "<|im_start|>"
+    set_special_tokens(tokenizer, ids)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.bos_token) == ("<|im_end|>", 2, "<|im_start|>")
+    config = AutoModelForCausalLM.from_pretrained(str(converted)).config
+    assert (config.eos_token_id, config.pad_token_id) == (2, 2)
 
 
 def test_missing_package_is_one_clear_error():

@@ -85,6 +85,7 @@ def _gguf_model(source: Path):
     if meta.get("model_type") != "llama":
         raise EDSDError(f"{source}: a {meta.get('model_type')!r} GGUF, expected a Llama model")
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    set_special_tokens(tokenizer, special_token_ids(source))
     config = LlamaConfig(**{k: v for k, v in meta.items() if k not in ("model_type", "_model_name_or_path")})
     config.tie_word_embeddings = True
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -98,6 +99,30 @@ def _gguf_model(source: Path):
                         f"{len(unexpected)} unexpected, e.g. {unexpected[:2]})")
     model.tie_weights()
     return model.to(torch.bfloat16).eval(), tokenizer
+
+
+SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
+                  "unk_token": "unknown_token_id"}  # tokenizer attribute -> GGUF key (tokenizer.ggml.*)
+
+
+def special_token_ids(source: Path) -> dict[str, int]:
+    """The special tokens' ids as the GGUF file itself records them. transformers 5.17's GGUF
+    tokenizer reader took the end-of-sequence token for the beginning one (<|im_start|>), which
+    made generation stop at the wrong token; the file's own ids do not depend on that reader."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(source)).fields
+    ids = {}
+    for attribute, key in SPECIAL_TOKENS.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            ids[attribute] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def set_special_tokens(tokenizer, ids: dict[str, int]) -> None:
+    for attribute, token_id in ids.items():
+        setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def convert_gguf(source: Path, out: Path) -> Path:

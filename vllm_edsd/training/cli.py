@@ -19,6 +19,8 @@ import hashlib
 import json
 import os
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,17 +207,23 @@ def check_numbers(args: argparse.Namespace, vocab: int) -> None:
 
 
 REGENERATE_CHUNK = 256  # conversations per cached file: an interrupted regeneration loses at most one
+GENERATION_BACKENDS = ("auto", "vllm", "transformers")
+# chunks answered together: transformers batches only what it is given, vLLM batches continuously
+CHUNKS_PER_CALL = {"vllm": 1, "transformers": 4}
 
 
 def regenerate(
-    target: str, conversations: list, cache_dir: Path, max_tokens: int, engine_args: dict | None = None
+    target: str, conversations: list, cache_dir: Path, max_tokens: int, engine_args: dict | None = None,
+    *, backend: str = "auto", device: str | None = None,
 ) -> list:
-    """Replace every assistant turn by the target's own greedy answer, turn by turn, with
-    vLLM (batched). Cached in ``cache_dir`` in chunks of ``REGENERATE_CHUNK`` conversations,
-    each under a key of everything its answers depend on (the target's path and config, the
-    chunk's conversations, ``max_tokens``): a rerun regenerates only the chunks not yet
-    written, and a run with other inputs never reuses stale answers. ``engine_args`` go to
-    ``LLM(...)`` (tensor parallelism...): they change how, not what, is computed."""
+    """Replace every assistant turn by the target's own greedy answer, turn by turn, batched,
+    through vLLM or transformers (``backend``; transformers on ``device``). Cached in
+    ``cache_dir`` in chunks of ``REGENERATE_CHUNK`` conversations, each under a key of
+    everything its answers depend on (the target's path and config, the chunk's conversations,
+    ``max_tokens``): a rerun regenerates only the chunks not yet written, and a run with other
+    inputs never reuses stale answers. The backend and ``engine_args`` (vLLM's ``LLM(...)``:
+    tensor parallelism...) change how, not what, is computed (greedy answers differ only at
+    near-ties of the two numerics)."""
     identity = [str(Path(target).resolve()), (Path(target) / "config.json").read_text(), max_tokens]
     chunks = [conversations[i : i + REGENERATE_CHUNK] for i in range(0, len(conversations), REGENERATE_CHUNK)]
     paths = []
@@ -224,6 +232,46 @@ def regenerate(
         paths.append(cache_dir / f"regenerated-{key.hexdigest()[:16]}.jsonl")
     missing = [i for i, path in enumerate(paths) if not path.exists()]
     if missing:
+        backend = generation_backend(backend, engine_args)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        per_call = CHUNKS_PER_CALL[backend]
+        with replier(backend, target, max_tokens, engine_args, device) as reply:
+            for start in range(0, len(missing), per_call):
+                group = missing[start : start + per_call]
+                print(f"regenerating chunks {start + 1}-{start + len(group)} of {len(missing)} "
+                      f"({sum(len(chunks[i]) for i in group)} conversations)")
+                answered = iter(answer_turns(reply, [c for i in group for c in chunks[i]]))
+                for i in group:
+                    mine = [c for c in (next(answered) for _ in chunks[i]) if len(c) > 1]
+                    replace_file(paths[i], lambda tmp: tmp.write_text("".join(json.dumps(c) + "\n" for c in mine)))  # noqa: B023
+    return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+
+
+def generation_backend(backend: str, engine_args: dict | None = None) -> str:
+    """``vllm`` or ``transformers``: ``auto`` is vLLM where it is installed, else transformers,
+    with one line saying so."""
+    if backend not in GENERATION_BACKENDS:
+        raise EDSDError(f"unknown regeneration backend {backend!r}; choose from {', '.join(GENERATION_BACKENDS)}")
+    if backend == "auto":
+        try:
+            import vllm  # noqa: F401
+
+            backend = "vllm"
+        except ImportError:
+            backend = "transformers"
+            print("regeneration through transformers: vLLM is not installed")
+    if backend == "transformers" and engine_args:
+        raise EDSDError(f"vLLM engine arguments {sorted(engine_args)} were given, but the regeneration runs "
+                        "through transformers; install vLLM or drop them")
+    return backend
+
+
+@contextmanager
+def replier(
+    backend: str, target: str, max_tokens: int, engine_args: dict | None, device: str | None
+) -> Iterator[Callable[[list], list[str]]]:
+    """A function from chats to the target's greedy replies, through ``backend``."""
+    if backend == "vllm":
         from vllm import SamplingParams
 
         from vllm_edsd.launch.engine import llm_session
@@ -231,28 +279,36 @@ def regenerate(
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         # An offline batch job: on CPU let vLLM compute on every core (it reserves one for serving).
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        cache_dir.mkdir(parents=True, exist_ok=True)
         with llm_session(target, **(engine_args or {})) as llm:
-            for number, i in enumerate(missing, 1):
-                print(f"regenerating chunk {number}/{len(missing)} ({len(chunks[i])} conversations)")
-                answered = answer_turns(llm, chunks[i], params)
-                replace_file(paths[i], lambda tmp: tmp.write_text("".join(json.dumps(c) + "\n" for c in answered)))  # noqa: B023
-    return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+            yield lambda chats: [reply.outputs[0].text for reply in llm.chat(chats, params, use_tqdm=True)]
+        return
+    from transformers import AutoTokenizer
+
+    from vllm_edsd.target.generation import greedy_replies
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_target(target, dtype=getattr(torch, "float32" if device == "cpu" else "bfloat16"), device=device)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    budget = TOKEN_BUDGET["cpu" if device == "cpu" else "accelerator"]
+    yield lambda chats: greedy_replies(model, tokenizer, chats, max_tokens, token_budget=budget)
 
 
-def answer_turns(llm, conversations: list, params) -> list:
-    """The conversations with each assistant turn the target's answer to the turns before it
-    (batched per turn); conversations left without any answer are dropped."""
+# prompt + answer tokens per transformers batch (left-padded): bounds the KV cache
+TOKEN_BUDGET = {"cpu": 1 << 14, "accelerator": 1 << 19}
+
+
+def answer_turns(reply: Callable[[list], list[str]], conversations: list) -> list:
+    """The conversations with each assistant turn ``reply``'s answer to the turns before it
+    (batched per turn), in order; a conversation without a user turn stays without answers."""
     out = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
     users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
     for turn in range(max(len(u) for u in users)):
         active = [i for i, u in enumerate(users) if turn < len(u)]
         for i in active:
             out[i].append(users[i][turn])
-        replies = llm.chat([out[i] for i in active], params, use_tqdm=True)
-        for i, reply in zip(active, replies):
-            out[i].append({"role": "assistant", "content": reply.outputs[0].text})
-    return [c for c in out if len(c) > 1]
+        for i, text in zip(active, reply([out[i] for i in active])):
+            out[i].append({"role": "assistant", "content": text})
+    return out
 
 
 def build_model(args, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t, t2d):
@@ -291,10 +347,11 @@ def training_samples(
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     conversations = read_conversations(args)
     if args.regenerate:
+        answer = (args.target, conversations, cache, args.max_length // 2, args.vllm_args)
         if world.main:
-            regenerate(args.target, conversations, cache, args.max_length // 2, args.vllm_args)
+            regenerate(*answer, device=args.device)
         world.barrier()
-        conversations = regenerate(args.target, conversations, cache, args.max_length // 2, args.vllm_args)
+        conversations = regenerate(*answer, device=args.device)
     samples, skipped = tokenize_conversations(tokenizer, conversations, args.max_length)
     if not samples:
         raise EDSDError("no usable training samples (every conversation lacks assistant tokens"

@@ -122,7 +122,7 @@ def feature_source(
         return VLLMFeatures(target, layer_ids, dtype=dtype, max_length=max_length, device=device,
                             **(engine_args or {}))
     return TransformersFeatures(load_target(target, dtype=getattr(torch, dtype), device=device), layer_ids,
-                                device=device)
+                                batch_size=4 if device == "cpu" else 32, device=device)
 
 
 def shard_paths(cache_dir: Path, spec: FeatureSpec, samples: list[tuple[list[int], list[int]]]) -> list[Path]:

@@ -1,6 +1,7 @@
 """``edsd regenerate``: the target answers the training prompts itself, through vLLM's batched
 generation (greedy, chat template applied), so that a drafter learns the target's own
-distribution (docs/architecture.md, "Data flow"; docs/scale.md).
+distribution (docs/architecture.md, "Data flow"; docs/scale.md). Where vLLM is not installed,
+transformers answers instead (``--backend``), on ``--device``.
 
 Resumable: answers are cached in chunks under ``--cache``; a rerun generates only the chunks
 not yet written. ``--vllm-args`` passes engine arguments (tensor parallelism...) to vLLM.
@@ -15,7 +16,7 @@ from pathlib import Path
 from vllm_edsd.checkpoint.files import replace_file
 from vllm_edsd.errors import EDSDError
 
-from .cli import add_vllm_arguments, read_conversations, regenerate
+from .cli import GENERATION_BACKENDS, add_vllm_arguments, read_conversations, regenerate
 
 EPILOG = """\
 examples:
@@ -26,7 +27,7 @@ then: edsd features / edsd train TARGET --data answers.jsonl ...
 
 # The `edsd regenerate` subcommand (vllm_edsd.command).
 name = "regenerate"
-help = "answer the training prompts with the target itself, through vLLM (resumable)"
+help = "answer the training prompts with the target itself, through vLLM or transformers (resumable)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of ShareGPT's order (default 0)")
     parser.add_argument("--answer-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
     parser.add_argument("--cache", help="where answered chunks are kept (default: OUT's directory/regenerate-cache)")
+    parser.add_argument("--backend", choices=GENERATION_BACKENDS, default="auto",
+                        help="what runs the target: vLLM where installed (auto), or transformers")
+    parser.add_argument("--device", help="transformers' device (default: cuda if present, else cpu)")
     add_vllm_arguments(parser)
 
 
@@ -49,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     conversations = read_conversations(args)
     cache = Path(args.cache) if args.cache else out.parent / "regenerate-cache"
-    answered = regenerate(args.target, conversations, cache, args.answer_tokens, args.vllm_args)
+    answered = regenerate(args.target, conversations, cache, args.answer_tokens, args.vllm_args,
+                          backend=args.backend, device=args.device)
     out.parent.mkdir(parents=True, exist_ok=True)
     replace_file(out, lambda tmp: tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in answered)))
     print(f"regenerate: {len(answered)} of {len(conversations)} conversations answered by the target -> {out}")

@@ -1,0 +1,94 @@
+"""Regeneration through transformers (no vLLM needed): batched, left-padded greedy answers are
+the ones the target gives each prompt alone, chunks are cached and resumed, and conversations
+stay in order and whole across turns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.support.toy import make_target, toy_corpus
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.target.generation import greedy_replies, length_batches
+from vllm_edsd.training import cli
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return str(make_target(tmp_path_factory.mktemp("regeneration") / "target", seed=5, train_steps=60))
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(target):
+    from transformers import AutoTokenizer
+
+    from vllm_edsd.target.hidden_states import load_target
+
+    return load_target(target), AutoTokenizer.from_pretrained(target)
+
+
+def chats(count: int, offset: int = 0) -> list[list[dict]]:
+    lines = [line for line in toy_corpus().splitlines() if line.strip()][offset : offset + count]
+    return [[{"role": "user", "content": " ".join([line] * (1 + i % 3))}] for i, line in enumerate(lines)]
+
+
+def test_batches_stay_within_the_token_budget_and_cover_every_prompt():
+    lengths = [5, 40, 12, 40, 3, 300, 8]
+    batches = length_batches(lengths, max_tokens=16, token_budget=128)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert lengths[batch[0]] == longest
+        assert len(batch) == 1 or len(batch) * (longest + 16) <= 128
+
+
+def test_batched_answers_equal_each_prompt_answered_alone(model_and_tokenizer):
+    """Left padding, the attention mask and the end token do not change an answer."""
+    from transformers import GenerationConfig
+
+    from vllm_edsd.data import template_ids
+
+    model, tokenizer = model_and_tokenizer
+    prompts = chats(7)
+    batched = greedy_replies(model, tokenizer, prompts, 12, token_budget=160)  # several batches of mixed lengths
+    plain = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+    for chat, reply in zip(prompts, batched):
+        ids = torch.tensor([template_ids(tokenizer, chat, generation_prompt=True)])
+        alone = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=plain)[0]
+        answer = alone[ids.shape[1]:].tolist()
+        if tokenizer.eos_token_id in answer:
+            answer = answer[: answer.index(tokenizer.eos_token_id)]
+        assert reply == tokenizer.decode(answer, skip_special_tokens=True)
+    assert any(batched)
+
+
+def test_regeneration_through_transformers_is_cached_and_resumed(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "REGENERATE_CHUNK", 2)
+    monkeypatch.setitem(cli.CHUNKS_PER_CALL, "transformers", 2)
+    convs = chats(5, offset=10)
+    convs[1] = [{"role": "system", "content": "be brief"}, *convs[1], {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "and then?"}]
+    first = cli.regenerate(target, convs[:3], tmp_path, 6, backend="transformers", device="cpu")
+    written = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("regenerated-*.jsonl")}
+    assert len(written) == 2
+    every = cli.regenerate(target, convs, tmp_path, 6, backend="transformers", device="cpu")
+    assert every[:3] == first and len(every) == 5
+    assert all(written[name] == (tmp_path / name).stat().st_mtime_ns for name in written)
+    # the second conversation keeps its system turn, and each user turn gets the target's reply
+    roles = [m["role"] for m in every[1]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert every[1][2]["content"] != "old"
+    assert [c[0]["content"] for c in every if c[0]["role"] == "user"] == [c[0]["content"] for c in convs
+                                                                          if c[0]["role"] == "user"]
+    chunk = json.loads(next(tmp_path.glob("regenerated-*.jsonl")).read_text().splitlines()[0])
+    assert chunk[-1]["role"] == "assistant"
+
+
+def test_engine_arguments_need_vllm():
+    with pytest.raises(EDSDError, match="through transformers"):
+        cli.generation_backend("transformers", {"tensor_parallel_size": 2})
+    with pytest.raises(EDSDError, match="unknown regeneration backend"):
+        cli.generation_backend("sglang")
