@@ -38,7 +38,7 @@ ROOMS: dict[str, set[str]] = {
     "vllm_edsd.__main__": {"vllm_edsd.cli"},  # python -m vllm_edsd (torchrun -m vllm_edsd)
     "weights_convert": {"vllm_edsd.conversion", "vllm_edsd.cli"},
     "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.data", "vllm_edsd.checkpoint", "vllm_edsd.launch",
-              "vllm_edsd.serving", "vllm_edsd.pipeline", "vllm_edsd.demo"},
+              "vllm_edsd.serving", "vllm_edsd.training", "vllm_edsd.pipeline", "vllm_edsd.demo"},
 }
 
 

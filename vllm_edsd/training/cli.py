@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import json
 import os
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from .features import (
 )
 from .schedule import READINGS
 from .trainer import Recipe, train
-from .vocab import build_vocab_mapping
+from .vocab import answer_token_counts, build_vocab_mapping
 
 EPILOG = """\
 examples:
@@ -408,7 +407,7 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
         logging.disable_progress_bar()
     cache = Path(args.cache) if args.cache else out / "cache"
     samples, read, skipped = training_samples(args, cache, world)
-    counts = Counter(t for ids, mask in samples for t, m in zip(ids[1:], mask[1:]) if m)
+    counts = answer_token_counts(samples)
     vocab = text_cfg["vocab_size"]
     d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
     # vLLM's extraction runs (and frees its memory) before transformers loads the target

@@ -4,8 +4,22 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
 import torch
+
+
+def answer_token_counts(samples: Iterable[tuple[list[int], list[int]]]) -> Counter:
+    """How often each token is a training target: the ids at loss-masked positions (what the
+    drafter must propose), counted over rendered ``(ids, loss_mask)`` samples."""
+    return Counter(t for ids, mask in samples for t, m in zip(ids[1:], mask[1:]) if m)
+
+
+def coverage(t2d: torch.Tensor, counts: Counter) -> float:
+    """The share of the counted tokens a draft vocabulary (``t2d``) holds: an upper bound on
+    any drafter's acceptance at those positions."""
+    total = sum(counts.values())
+    return sum(n for token, n in counts.items() if t2d[token]) / total if total else 0.0
 
 
 def build_vocab_mapping(counts: Counter, vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,110 @@
+"""``python -m bench.vocab_coverage``: how much of the target's answers to held-out prompts a
+draft vocabulary of each size holds, when it is built as ``edsd train`` builds it (the most
+frequent answer tokens of the training conversations). A token outside it can never be
+drafted, so coverage bounds acceptance at every position; the draft vocabulary's size is
+chosen from this (issue #25, part 4), not guessed. Tokenizer only: seconds, no model.
+
+The conversations are split in order: the first ``--train`` build the vocabulary, the last
+``--held-out`` are measured. Both are rendered with the chat template and cut at
+``--max-length`` as training renders them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from vllm_edsd.errors import EDSDError
+
+DEFAULT_SIZES = "1024,2048,4096,8192,16384,32000"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.vocab_coverage", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  python -m bench.vocab_coverage TARGET --data answers.jsonl --train 720,9000 "
+               "--held-out 1000")
+    add = parser.add_argument
+    add("target", help="the target's directory (its tokenizer and chat template)")
+    add("--data", required=True, help="JSON lines of answered conversations ({'messages': [...]})")
+    add("--train", default=None, help="conversations the vocabulary is built from, comma-separated counts "
+                                      "(default: all but the held-out ones)")
+    add("--held-out", type=int, default=1000, help="last conversations measured (default 1000)")
+    add("--sizes", default=DEFAULT_SIZES, help=f"draft vocabulary sizes (default {DEFAULT_SIZES})")
+    add("--max-length", type=int, default=448, help="tokens per rendered conversation (default 448)")
+    add("--out", help="also write results.json and report.md into this directory")
+    return parser.parse_args(argv)
+
+
+def coverage_table(target: str, conversations: list, train_counts: list[int], held_out: int, sizes: list[int],
+                   max_length: int) -> list[dict]:
+    """One row per (training conversations, vocabulary size): the held-out coverage."""
+    from transformers import AutoTokenizer
+
+    from vllm_edsd.checkpoint.config import read_config_json
+    from vllm_edsd.training.features import tokenize_conversations
+    from vllm_edsd.training.vocab import answer_token_counts, build_vocab_mapping, coverage
+
+    if held_out < 1 or held_out >= len(conversations):
+        raise EDSDError(f"--held-out must leave conversations to train on: {held_out} of {len(conversations)}")
+    if max(train_counts) > len(conversations) - held_out or min(train_counts) < 1:
+        raise EDSDError(f"--train counts must be 1..{len(conversations) - held_out} (the rest is held out)")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    cfg = read_config_json(target)
+    vocab = (cfg.get("text_config") or cfg)["vocab_size"]
+    held = answer_token_counts(tokenize_conversations(tokenizer, conversations[-held_out:], max_length)[0])
+    samples = tokenize_conversations(tokenizer, conversations[: max(train_counts)], max_length)[0]
+    rows = []
+    for count in sorted(train_counts):
+        counts = answer_token_counts(samples[:count])
+        for size in sizes:
+            _, t2d = build_vocab_mapping(counts, vocab, min(size, vocab))
+            rows.append({"train_conversations": count, "distinct_seen": len(counts), "draft_vocab": size,
+                         "held_out_coverage": round(coverage(t2d, held), 4), "held_out_tokens": sum(held.values())})
+    return rows
+
+
+def render(rows: list[dict], held_out: int) -> str:
+    sizes = sorted({r["draft_vocab"] for r in rows})
+    lines = [f"held-out answer tokens covered ({held_out} conversations, {rows[0]['held_out_tokens']:,} tokens)", "",
+             "| vocabulary built from | distinct tokens seen | " + " | ".join(f"{s:,}" for s in sizes) + " |",
+             "|---|---|" + "---|" * len(sizes)]
+    for count in sorted({r["train_conversations"] for r in rows}):
+        mine = {r["draft_vocab"]: r for r in rows if r["train_conversations"] == count}
+        lines.append(f"| {count:,} conversations | {mine[sizes[0]]['distinct_seen']:,} | "
+                     + " | ".join(f"{mine[s]['held_out_coverage']:.3f}" for s in sizes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from vllm_edsd.data import load_conversations
+
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+        conversations = load_conversations(args.data)
+        train = ([int(s) for s in args.train.split(",")] if args.train
+                 else [len(conversations) - args.held_out])
+        rows = coverage_table(args.target, conversations, train, args.held_out, sizes, args.max_length)
+    except ValueError as exc:
+        print(f"error: --sizes and --train take comma-separated integers ({exc})", file=sys.stderr)
+        return 2
+    except EDSDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render(rows, args.held_out))
+    if args.out:
+        command = "python -m bench.vocab_coverage " + " ".join(argv or sys.argv[1:])
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+        (out / "report.md").write_text(f"# Draft vocabulary coverage\n\nCommand: `{command}`\n\n"
+                                       + render(rows, args.held_out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
