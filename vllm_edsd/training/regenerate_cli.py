@@ -22,6 +22,7 @@ EPILOG = """\
 examples:
   edsd regenerate TARGET --out answers.jsonl --max-samples 5000                # ShareGPT, seeded order
   edsd regenerate TARGET --out answers.jsonl --data prompts.jsonl --vllm-args '{"tensor_parallel_size": 8}'
+  edsd regenerate TARGET --out answers.jsonl --backend transformers --device cuda  # no vLLM on this machine
 then: edsd features / edsd train TARGET --data answers.jsonl ...
 """
 
