@@ -286,7 +286,7 @@ def replier(
     from vllm_edsd.target.generation import greedy_replies
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_target(target, dtype=getattr(torch, "float32" if device == "cpu" else "bfloat16"), device=device)
+    model = load_target(target, dtype=getattr(torch, device_dtype(device)), device=device)
     tokenizer = AutoTokenizer.from_pretrained(target)
     budget = TOKEN_BUDGET["cpu" if device == "cpu" else "accelerator"]
     yield lambda chats: greedy_replies(model, tokenizer, chats, max_tokens, token_budget=budget)
@@ -358,8 +358,13 @@ def training_samples(
     return samples, len(conversations), skipped
 
 
+def device_dtype(device: str) -> str:
+    """The target's dtype where none is asked for: float32 on a CPU, bfloat16 on an accelerator."""
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 def target_dtype(args: argparse.Namespace, device: str) -> str:
-    return args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    return args.dtype or device_dtype(device)
 
 
 def feature_shards(
