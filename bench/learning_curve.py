@@ -33,6 +33,7 @@ from .offline import CATEGORIES, generate, load_prompts
 
 METHODS = ("edsd", "eagle3")
 DEFAULT_WORK = Path.home() / ".cache" / "vllm-edsd" / "learning-curve"
+SAVE_EVERY = 100  # batches: on a CPU an epoch of the largest point takes about an hour; resume loses less
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -82,7 +83,8 @@ def train_point(plan, method: str, size: int, extra: list[str]) -> Path:
     # another data set or another ablation is another run
     run = plan.work / "curve" / plan.data().stem / (f"{method}-{size}" + (f"-{variant}" if variant else ""))
     if not finished_checkpoint(run / "final"):
-        run_command([*plan.train_argv(method, run), "--max-samples", str(size), *extra])
+        run_command([*plan.train_argv(method, run), "--max-samples", str(size), "--save-every", str(SAVE_EVERY),
+                     *extra])
     if method == "eagle3":
         return run / "final"
     served = run / "vllm"

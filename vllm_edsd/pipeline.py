@@ -70,6 +70,7 @@ draft_vocab_size = 4096
 # max_length = 448                       # default: answer_tokens + 256 when regenerating
 seed = 0
 device = "cuda"
+# save_every = 500                       # batches: also save the state within an epoch (resumable)
 
 [output]
 work = "runs/smollm2"                    # data, caches, checkpoints, logs (rerun to resume)
@@ -87,7 +88,7 @@ SCHEMA: dict[str, dict[str, tuple[Any, Any]]] = {
     "train": {"methods": (list[str], ["edsd"]), "epochs": (int, None), "ttt_steps": (int, None),
               "lr": (float, None), "batch_size": (int, None), "draft_vocab_size": (int, None),
               "max_length": (int, None), "max_samples": (int, None), "seed": (int, None), "device": (str, None),
-              "feature_noise": (float, None)},
+              "feature_noise": (float, None), "save_every": (int, None)},
     "output": {"work": (str, REQUIRED), "dtype": (str, None), "convert": (bool, True)},
 }
 PATHS = (("target", "path"), ("data", "file"), ("output", "work"))  # relative to the config file
@@ -269,7 +270,7 @@ def flags(values: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
 
 
 BUDGET = ("epochs", "ttt_steps", "lr", "batch_size", "draft_vocab_size", "max_length", "max_samples", "seed",
-          "device", "feature_noise")
+          "device", "feature_noise", "save_every")
 
 
 class Plan:

@@ -36,12 +36,18 @@ if os.environ.get("RANK") == "1" and os.environ.get("EDSD_AUDIT_UNDER"):
                 f.write(f"{event} {args[0]}\\n")
     sys.addaudithook(audit)
 """
-# Kills rank 0 as it is about to create the directory EDSD_DIE_AT: an interruption at a known point.
+# Kills rank 0 (or the one process) as it is about to create the directory EDSD_DIE_AT, or to
+# write the training state for the EDSD_DIE_AT_SAVE-th time: interruptions at known points.
 INTERRUPT = """\
-if os.environ.get("RANK") == "0" and os.environ.get("EDSD_DIE_AT"):
-    def die(event, args, at=os.environ["EDSD_DIE_AT"]):
+if os.environ.get("RANK", "0") == "0" and (os.environ.get("EDSD_DIE_AT") or os.environ.get("EDSD_DIE_AT_SAVE")):
+    saves = [0]
+    def die(event, args, at=os.environ.get("EDSD_DIE_AT"), nth=int(os.environ.get("EDSD_DIE_AT_SAVE") or 0)):
         if event == "os.mkdir" and str(args[0]) == at:
             os._exit(1)
+        if event == "os.rename" and str(args[1]).endswith("training_state.pt"):  # os.replace raises it
+            saves[0] += 1
+            if saves[0] == nth:
+                os._exit(1)
     sys.addaudithook(die)
 """
 
@@ -67,21 +73,26 @@ def train_args(setup: dict, out: Path, *extra) -> list[str]:
             *map(str, extra)]
 
 
-def torchrun(setup: dict, out: Path, *extra, die_at: Path | None = None) -> subprocess.CompletedProcess:
+def run_env(setup: dict, out: Path, die_at: Path | None = None, die_at_save: int | None = None) -> dict:
+    """The environment of a run under the audit and interruption hooks (``WRITE_AUDIT``, ``INTERRUPT``)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+            "EDSD_DIE_AT": str(die_at or ""), "EDSD_DIE_AT_SAVE": str(die_at_save or ""),
+            "EDSD_AUDIT_UNDER": str(out), "EDSD_AUDIT_LOG": str(out.parent / "audit"),
+            "PYTHONPATH": os.pathsep.join([str(setup["root"] / "hook"), *sys.path])}
+
+
+def torchrun(setup: dict, out: Path, *extra, **interrupt) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2 -m vllm_edsd train ...``, each rank's output in OUT-ranks/;
-    with ``die_at``, rank 0 dies as it creates that directory.
+    ``interrupt`` (``die_at``, ``die_at_save``) kills rank 0 at a known point (``INTERRUPT``).
 
     A rank killed by a signal is rerun once, resuming like any interrupted run, with a warning
     that carries the dead ranks' output: gloo aborted a rank once in CI (stop 34, SIGABRT,
     without its log) and never in 21 runs here (docs/scale.md, "Training under torchrun")."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EDSD_DIE_AT": str(die_at or ""), "PYTHONFAULTHANDLER": "1",
-           "EDSD_AUDIT_UNDER": str(out), "EDSD_AUDIT_LOG": str(out.parent / "audit"),
-           "PYTHONPATH": os.pathsep.join([str(setup["root"] / "hook"), *sys.path])}
-    ranks = Path(str(out) + "-ranks")
+    env, ranks = run_env(setup, out, **interrupt), Path(str(out) + "-ranks")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
            "--log-dir", str(ranks), "--redirects", "3", "-m", "vllm_edsd", *train_args(setup, out, *extra)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0 and die_at is None and re.search(r"exitcode\s*:\s*-(?!15\b)\d+", done.stderr):
+    if done.returncode != 0 and not interrupt and re.search(r"exitcode\s*:\s*-(?!15\b)\d+", done.stderr):
         dead = "\n".join(f"rank {rank}:\n{rank_output(out, rank)[-3000:]}" for rank in range(RANKS))
         warnings.warn(f"torchrun: a rank was killed by a signal; rerunning once.\n{done.stderr[-1500:]}\n{dead}",
                       stacklevel=2)
@@ -212,6 +223,38 @@ def test_interrupted_fsdp_run_resumes_to_the_uninterrupted_result(setup, fsdp_ru
     assert "after epoch 0" in rank_output(cut, 0)
     a, b = (load_file(run / "final" / "model.safetensors") for run in (fsdp_run, cut))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("ranks", [1, RANKS])
+def test_run_saved_mid_epoch_resumes_to_the_uninterrupted_result(setup, ddp_run, tmp_path, ranks):
+    """``--save-every 1`` saves the training state after every batch. A run whose rank 0 (or
+    one process) dies as it writes the state the third time holds it 2 batches into the first
+    epoch; rerun, it resumes there (each rank's shuffling, RNG states and sums so far) and ends
+    with the tensors and log of a run never interrupted that saved after each epoch only (for
+    two ranks ``ddp_run``)."""
+
+    def run(out: Path, *extra, **interrupt) -> subprocess.CompletedProcess:
+        if ranks > 1:
+            return torchrun(setup, out, *RUN, *extra, **interrupt)
+        return subprocess.run([sys.executable, "-m", "vllm_edsd", *train_args(setup, out, *RUN, *extra)],
+                              env=run_env(setup, out, **interrupt), capture_output=True, text=True, timeout=300)
+
+    whole = ddp_run
+    if ranks == 1:  # as the cut run, in a process with one thread: the same float rounding
+        whole = tmp_path / "whole"
+        assert run(whole).returncode == 0
+    cut = tmp_path / "cut"
+    assert run(cut, "--save-every", 1, die_at_save=3).returncode != 0
+    state = torch.load(cut / "training_state.pt", weights_only=True)
+    assert (state["epoch"], state["batches"]) == (-1, 2) and not (cut / "epoch_0").exists()
+    resumed = run(cut, "--save-every", 1)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "2 batches into epoch 1" in (rank_output(cut, 0) if ranks > 1 else resumed.stdout)
+    a, b = (load_file(r / "final" / "model.safetensors") for r in (whole, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    logs = [[{k: v for k, v in json.loads(line).items() if k != "wall_s"}
+             for line in (r / "train_log.jsonl").read_text().splitlines()] for r in (whole, cut)]
+    assert logs[0] == logs[1]
 
 
 @pytest.mark.parametrize("method", ["eagle3", "specforge"])

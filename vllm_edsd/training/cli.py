@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a regulariser; default 0: none)")
     parser.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5, the paper's)")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+                        help="also save the training state every N batches, so that an interrupted epoch resumes "
+                             "where it was saved (default 0: after each epoch only); the result is the same")
     parser.add_argument("--data-parallel", choices=DATA_PARALLEL, default=DDP,
                         help="under torchrun, how the processes share the drafter: ddp (default) keeps the whole "
                              "drafter, its gradients and AdamW state on every process; fsdp (PyTorch FSDP2) shards "
@@ -198,6 +201,9 @@ def check_numbers(args: argparse.Namespace, vocab: int) -> None:
             raise EDSDError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     if args.max_samples is not None and args.max_samples < 1:
         raise EDSDError(f"--max-samples must be a positive integer, got {args.max_samples}")
+    if args.save_every < 0:
+        raise EDSDError(f"--save-every is a number of batches: 0 (after each epoch only) or more, "
+                        f"got {args.save_every}")
     if not args.lr > 0:
         raise EDSDError(f"--lr must be positive, got {args.lr}")
     if not 0 <= args.feature_noise < 10:
@@ -443,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
     with connect(args.device, args.data_parallel) as (world, device):
         job = prepare(args, world, device)
         log = train(job.model, job.shards, job.draft_head, job.recipe, out, lambda m, d: m.save_pretrained(d),
-                    job.columns, world)
+                    job.columns, world, args.save_every)
     if world.main:
         last = log[-1]
         print(f"done: {len(log)} epochs, final loss {last['loss']:.3f}, accuracy per step "

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -241,24 +243,40 @@ def aux_columns(stored: tuple[int, ...], wanted: tuple[int, ...], hidden_size: i
 
 
 def iterate_batches(
-    shards: list[Path], batch_size: int, generator: torch.Generator, columns: torch.Tensor | None = None
+    shards: list[Path], batch_size: int, generator: torch.Generator, columns: torch.Tensor | None = None,
+    skip: int = 0,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Right-padded batches in a seeded random order: shards shuffled, and within a shard
     samples of similar length batched together (little padding), the batches shuffled.
     ``columns`` picks the drafter's layers out of features stored for more (``aux_columns``).
-    One shard is held at a time: the next is read once the last one's batches are yielded."""
+    One shard is held at a time: the next is read once the last one's batches are yielded.
+    The first ``skip`` batches (an epoch resumed mid-way) are drawn but not yielded, and the
+    shards they cover whole are not read: the generator ends as if they had been."""
     for shard_index in torch.randperm(len(shards), generator=generator).tolist():
-        yield from shard_batches(read_shard(shards[shard_index], columns), batch_size, generator)
+        samples = shard_samples(shards[shard_index])
+        count = math.ceil(samples / batch_size)
+        if skip >= count:
+            _shard_draws(samples, batch_size, generator)
+            skip -= count
+            continue
+        yield from islice(shard_batches(read_shard(shards[shard_index], columns), batch_size, generator), skip, None)
+        skip = 0
+
+
+def _shard_draws(samples: int, batch_size: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """A shard's two random draws: its samples' order and the order its batches are yielded in."""
+    return (torch.randperm(samples, generator=generator).tolist(),
+            torch.randperm(math.ceil(samples / batch_size), generator=generator).tolist())
 
 
 def shard_batches(
     records: list[dict[str, torch.Tensor]], batch_size: int, generator: torch.Generator
 ) -> Iterator[dict[str, torch.Tensor]]:
     """One shard's batches (``iterate_batches``), each a padded copy: none holds the shard."""
-    order = torch.randperm(len(records), generator=generator).tolist()
+    order, picks = _shard_draws(len(records), batch_size, generator)
     order.sort(key=lambda i: len(records[i]["input_ids"]))  # stable: ties keep the random order
     batches = [order[b : b + batch_size] for b in range(0, len(order), batch_size)]
-    for pick in torch.randperm(len(batches), generator=generator).tolist():
+    for pick in picks:
         batch = [records[i] for i in batches[pick]]
         width = max(len(r["input_ids"]) for r in batch)
 

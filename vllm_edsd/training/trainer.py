@@ -18,7 +18,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -161,10 +161,12 @@ def _read_state(path: Path) -> dict:
     return state
 
 
-def _rank_state(generator: torch.Generator) -> dict:
-    """What makes this rank's rest of the run exact after a resume: its shuffling and RNG states."""
-    return {"generator": generator.get_state(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+def _rank_state(shuffle: torch.Tensor, sums: dict | None = None) -> dict:
+    """What makes this rank's rest of the run exact after a resume: its shuffling generator's
+    state at the start of the epoch in progress (or the next), its RNG states now, and within
+    an epoch its sums so far (``--save-every``)."""
+    state = {"generator": shuffle, "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+    return state if sums is None else {**state, "sums": sums}
 
 
 class _Loss(torch.nn.Module):
@@ -249,13 +251,15 @@ def count_batches(shards: list[Path], batch_size: int) -> int:
 
 def epoch_batches(
     shards: list[Path], batch_size: int, generators: list[torch.Generator], columns: torch.Tensor | None,
-    ranks: list[int], world_size: int, steps: int | None,
+    ranks: list[int], world_size: int, steps: int | None, skip: int = 0,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """One epoch's batches of ``ranks`` (rank r reads ``shards[r::world_size]`` in the order of
     ``generators[i]``), the first ``steps`` of each (all with None), batch i of every rank
-    joined into one. A training process passes its own rank; ``ranks`` = all of them gives
-    the union batches that one process trains on to equal a data-parallel run."""
-    parts = [islice(iterate_batches(shards[rank::world_size], batch_size, generator, columns), steps)
+    joined into one, from batch ``skip`` on (an epoch resumed mid-way). A training process
+    passes its own rank; ``ranks`` = all of them gives the union batches that one process
+    trains on to equal a data-parallel run."""
+    left = None if steps is None else max(steps - skip, 0)
+    parts = [islice(iterate_batches(shards[rank::world_size], batch_size, generator, columns, skip), left)
              for rank, generator in zip(ranks, generators)]
     for batches in zip(*parts):
         yield batches[0] if len(batches) == 1 else join_batches(list(batches))
@@ -287,9 +291,20 @@ def _check_parallelism(state: dict, run: Path, world: World) -> None:
                         "the same --data-parallel, or use another --out")
 
 
-def _resume(state_path: Path, fitter: Fitter, generator: torch.Generator, world: World) -> tuple[int, list[dict]]:
-    """The first epoch to run and the log so far, with the model, optimizer and this rank's
-    shuffling and RNG states as saved after the last finished epoch."""
+@dataclass
+class _Progress:
+    """Where a run resumes: the epoch to run, its batches already trained and this rank's sums
+    of them (none at an epoch's start), and the log of the finished epochs."""
+
+    epoch: int = 0
+    batches: int = 0
+    sums: dict | None = None
+    log: list[dict] = field(default_factory=list)
+
+
+def _resume(state_path: Path, fitter: Fitter, generator: torch.Generator, world: World) -> _Progress:
+    """Where the saved run stops, with the model, optimizer and this rank's shuffling and RNG
+    states as saved: after the last finished epoch, or ``--save-every`` batches into the next."""
     state, recipe = _read_state(state_path), fitter.recipe
     _check_parallelism(state, state_path.parent, world)
     defaults = {name: f.default for name, f in Recipe.__dataclass_fields__.items()}
@@ -300,9 +315,33 @@ def _resume(state_path: Path, fitter: Fitter, generator: torch.Generator, world:
     generator.set_state(own["generator"])
     torch.set_rng_state(own["rng"]["torch"])
     random.setstate(own["rng"]["python"])
+    progress = _Progress(state["epoch"] + 1, state.get("batches", 0), own.get("sums"), state["log"])
     if world.main:
-        print(f"resuming {state_path.parent} after epoch {state['epoch']}")
-    return state["epoch"] + 1, state["log"]
+        where = f"{progress.batches} batches into epoch {progress.epoch + 1}" if progress.batches else \
+            f"after epoch {state['epoch']}"
+        print(f"resuming {state_path.parent} {where}")
+    return progress
+
+
+def _gathered_state(fitter: Fitter, world: World, finished: int, log: list[dict], shuffle: torch.Tensor,
+                    batches: int = 0, sums: dict | None = None) -> dict:
+    """Every rank: gather the full weights, AdamW state and each rank's RNG states into the
+    training state, which rank 0 gets (the others an empty dict). ``finished`` is the last
+    finished epoch, ``batches`` how far into the next one."""
+    ranks = world.gather(_rank_state(shuffle, sums if batches else None))
+    weights, optimizer = fitter.full_model_state(), fitter.full_optimizer_state()
+    if not world.main:
+        return {}
+    state = {"recipe": asdict(fitter.recipe), "model": weights, "optimizer": optimizer, **ranks[0],
+             "epoch": finished, "batches": batches, "log": log, "world_size": world.size,
+             "data_parallel": world.data_parallel}
+    return {**state, "ranks": ranks} if world.size > 1 else state
+
+
+def _write_state(path: Path, state: dict) -> None:
+    """An interruption mid-write keeps the old state."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(path, lambda tmp: torch.save(state, tmp))
 
 
 def train(
@@ -314,10 +353,13 @@ def train(
     save_checkpoint,
     columns: torch.Tensor | None = None,
     world: World = SINGLE,
+    save_every: int = 0,
 ) -> list[dict]:
     """Train for ``recipe.epochs`` epochs, writing a checkpoint and a log line after each.
 
-    Resumes from ``out_dir/training_state.pt`` when an earlier run was interrupted.
+    Resumes from ``out_dir/training_state.pt`` when an earlier run was interrupted: after its
+    last finished epoch, or, with ``save_every`` > 0 (the state is also saved every that many
+    batches), where the epoch in progress was last saved, to the same result.
     ``save_checkpoint(model, directory)`` writes one checkpoint in the method's layout;
     ``columns`` picks the drafter's layers from shards stored for more (``features.aux_columns``).
 
@@ -339,27 +381,30 @@ def train(
     generator = torch.Generator().manual_seed(recipe.seed + world.rank)
     state_path, log_path = out_dir / STATE_FILE, out_dir / LOG_FILE
     if state_path.exists():
-        start_epoch, log = _resume(state_path, fitter, generator, world)
+        progress = _resume(state_path, fitter, generator, world)
     else:
-        start_epoch, log = 0, []
+        progress = _Progress()
         if world.size > 1:  # each rank its own feature noise
             torch.manual_seed(recipe.seed + world.rank)
+    log = progress.log
     steps = world.min(count_batches(shards[world.rank :: world.size], recipe.batch_size)) if world.size > 1 else None
-    for epoch in range(start_epoch, recipe.epochs):
-        started = time.time()
-        batches = epoch_batches(shards, recipe.batch_size, [generator], columns, [world.rank], world.size, steps)
-        entry = _run_epoch(fitter, batches, epoch, world)
+    for epoch in range(progress.epoch, recipe.epochs):
+        started, shuffle = time.time(), generator.get_state()
+        skip, sums = (progress.batches, progress.sums) if epoch == progress.epoch else (0, None)
+        batches = epoch_batches(shards, recipe.batch_size, [generator], columns, [world.rank], world.size, steps, skip)
+
+        def save(done: int, so_far: dict, epoch=epoch, shuffle=shuffle) -> None:
+            if save_every and done % save_every == 0:
+                state = _gathered_state(fitter, world, epoch - 1, log, shuffle, done, so_far)
+                if world.main:
+                    _write_state(state_path, state)
+
+        entry = _run_epoch(fitter, batches, epoch, world, skip, sums, save)
         log.append({**entry, "wall_s": time.time() - started})
-        ranks, weights, optimizer = (world.gather(_rank_state(generator)), fitter.full_model_state(),
-                                     fitter.full_optimizer_state())
-        if world.main:
-            save_checkpoint(fitter.checkpoint_model(weights), out_dir / f"epoch_{epoch}")
-            state = {"recipe": asdict(recipe), "model": weights, "optimizer": optimizer, **ranks[0], "epoch": epoch,
-                     "log": log, "world_size": world.size, "data_parallel": world.data_parallel}
-            if world.size > 1:
-                state["ranks"] = ranks
-            # an interruption mid-write keeps the old state
-            replace_file(state_path, lambda tmp: torch.save(state, tmp))  # noqa: B023 (called at once)
+        state = _gathered_state(fitter, world, epoch, log, generator.get_state())
+        if world.main:  # the checkpoint first: a state never says an epoch is done without it
+            save_checkpoint(fitter.checkpoint_model(state["model"]), out_dir / f"epoch_{epoch}")
+            _write_state(state_path, state)
             log_path.write_text("".join(json.dumps(e) + "\n" for e in log))  # the log of the saved state
         world.barrier()
     weights = fitter.full_model_state()
@@ -369,13 +414,19 @@ def train(
     return log
 
 
-def _run_epoch(fitter: Fitter, batches: Iterator[dict[str, torch.Tensor]], epoch: int, world: World) -> dict:
-    """Train on one epoch's ``batches``; the epoch's log entry (over every rank), less its time."""
+def _run_epoch(
+    fitter: Fitter, batches: Iterator[dict[str, torch.Tensor]], epoch: int, world: World, skipped: int = 0,
+    sums: dict | None = None, after_batch: Callable[[int, dict], None] = lambda done, sums: None,
+) -> dict:
+    """Train on one epoch's ``batches`` (the first ``skipped`` already trained, with ``sums``),
+    calling ``after_batch(batches done, sums)`` after each; the epoch's log entry (over every
+    rank), less its time."""
     recipe = fitter.recipe
     percent, steps = recipe.percent(epoch), recipe.steps(epoch)
-    sums = {"loss": 0.0, "batches": 0, "acc": [0.0] * steps, "masked": 0, "eligible": 0, "counted": 0}
-    bar = tqdm(batches, desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch", disable=not world.main)
-    for batch in bar:
+    sums = sums or {"loss": 0.0, "batches": 0, "acc": [0.0] * steps, "masked": 0, "eligible": 0, "counted": 0}
+    bar = tqdm(batches, desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch", initial=skipped,
+               disable=not world.main)
+    for done, batch in enumerate(bar, start=skipped + 1):
         result = fitter.step(batch, steps, percent)
         sums["loss"] += result.loss.item()
         sums["batches"] += 1
@@ -384,6 +435,7 @@ def _run_epoch(fitter: Fitter, batches: Iterator[dict[str, torch.Tensor]], epoch
             sums[key] += getattr(result, key)
         bar.set_postfix(loss=f"{result.loss.item():.3f}", acc0=f"{result.step_acc[0]:.2f}",
                         masked=f"{result.masked / max(result.eligible, 1):.0%}")
+        after_batch(done, sums)
     sums = _union_sums(sums, world)
     n = max(sums["batches"], 1)
     return {
