@@ -254,19 +254,23 @@ def iterate_batches(
     shards they cover whole are not read: the generator ends as if they had been."""
     for shard_index in torch.randperm(len(shards), generator=generator).tolist():
         samples = shard_samples(shards[shard_index])
-        count = math.ceil(samples / batch_size)
-        if skip >= count:
+        if skip >= batch_count(samples, batch_size):
             _shard_draws(samples, batch_size, generator)
-            skip -= count
+            skip -= batch_count(samples, batch_size)
             continue
         yield from islice(shard_batches(read_shard(shards[shard_index], columns), batch_size, generator), skip, None)
         skip = 0
 
 
+def batch_count(samples: int, batch_size: int) -> int:
+    """How many batches a shard of ``samples`` makes (the last one may be short)."""
+    return math.ceil(samples / batch_size)
+
+
 def _shard_draws(samples: int, batch_size: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
     """A shard's two random draws: its samples' order and the order its batches are yielded in."""
     return (torch.randperm(samples, generator=generator).tolist(),
-            torch.randperm(math.ceil(samples / batch_size), generator=generator).tolist())
+            torch.randperm(batch_count(samples, batch_size), generator=generator).tolist())
 
 
 def shard_batches(

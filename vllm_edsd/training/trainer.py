@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from vllm_edsd.model.edsd import KeyValueSteps
 from vllm_edsd.target.hidden_states import token_entropy
 
 from .distributed import DDP, FSDP, SINGLE, World, shard_drafter
-from .features import SHARD_SIZE, iterate_batches, join_batches, shard_samples
+from .features import SHARD_SIZE, batch_count, iterate_batches, join_batches, shard_samples
 from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
 STEP_WEIGHT = 0.8
@@ -246,7 +245,7 @@ class Fitter:
 
 def count_batches(shards: list[Path], batch_size: int) -> int:
     """How many batches ``iterate_batches`` makes of ``shards`` (from their headers alone)."""
-    return sum(math.ceil(shard_samples(path) / batch_size) for path in shards)
+    return sum(batch_count(shard_samples(path), batch_size) for path in shards)
 
 
 def epoch_batches(
