@@ -90,6 +90,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: proves the suites run (used by CI)")
     parser.add_argument("--prompts-per-category", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="end each reply at the model's end of sequence, as users see it (default: every reply "
+                             "is --max-tokens long, ignore_eos, so every method does the same work; prompt lookup "
+                             "then also copies the repetition a small model writes past its answer)")
     parser.add_argument("--batch-sizes", default=None, help="default 1,2,4,...,256 (quick: 1,4)")
     parser.add_argument("--mixed-batch", type=int, default=None,
                         help="the mixed suite's batch; half of it opts out of drafting (default 16; quick 4)")
@@ -141,7 +145,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         max_tokens=args.max_tokens or default_max_tokens(args),
         batch_sizes=[int(b) for b in (args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256")).split(",")],
         temperatures=[float(t) for t in args.temperatures.split(",")], adaptive_threshold=args.adaptive_threshold,
-        mixed_batch=args.mixed_batch or (4 if quick else 16),
+        mixed_batch=args.mixed_batch or (4 if quick else 16), ignore_eos=not args.stop_at_eos,
     )
 
 
@@ -202,7 +206,8 @@ def write_results(out: Path, setup: Setup, args: argparse.Namespace, command: li
     """results.json, report.md and the plots of everything measured so far."""
     results = {"machine": machine(),
                "config": {"target": setup.target, "drafters": setup.drafters, "methods": setup.methods,
-                          "ks": setup.ks, "quick": args.quick, "command": "python -m bench " + " ".join(command)},
+                          "ks": setup.ks, "ignore_eos": setup.ignore_eos, "quick": args.quick,
+                          "command": "python -m bench " + " ".join(command)},
                "runs": runs, "failed_suites": failed}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "report.md").write_text(render(results))

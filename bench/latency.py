@@ -101,13 +101,13 @@ def read_records(path: Path) -> list[dict]:
 
 
 def run_locust(base: str, messages: list[list[dict]], arrivals: list[float], max_tokens: int, max_users: int,
-               workdir: Path, name: str, drain_s: float = DRAIN_S) -> list[dict]:
+               workdir: Path, name: str, drain_s: float = DRAIN_S, ignore_eos: bool = True) -> list[dict]:
     """Send ``messages[i]`` at ``arrivals[i]`` (open loop) with locust in its own process; the
     raw record of every request that ended (see the locustfile), in no particular order.
     ``drain_s``: how long the run may go on after the last arrival (an overloaded server has a
     backlog to serve then)."""
-    plan = {"arrivals_s": arrivals, "messages": messages, "max_tokens": max_tokens, "start_lead_s": START_LEAD_S,
-            "request_timeout_s": DRAIN_S}
+    plan = {"arrivals_s": arrivals, "messages": messages, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+            "start_lead_s": START_LEAD_S, "request_timeout_s": DRAIN_S}
     plan_file, records_file, log_file = (workdir / f"{name}.{ext}" for ext in ("plan.json", "jsonl", "locust.log"))
     plan_file.write_text(json.dumps(plan))
     records_file.unlink(missing_ok=True)
@@ -125,11 +125,12 @@ def run_locust(base: str, messages: list[list[dict]], arrivals: list[float], max
 
 
 def run_rate(base: str, prompts: list[list[dict]], qps: float, num_requests: int, max_users: int, max_tokens: int,
-             workdir: Path) -> dict:
+             workdir: Path, ignore_eos: bool = True) -> dict:
     """One locust run of ``num_requests`` Poisson arrivals at ``qps``; the row's latency numbers."""
     messages = [prompts[i % len(prompts)] for i in range(num_requests)]
     records = run_locust(
-        base, messages, poisson_schedule(qps, num_requests), max_tokens, max_users, workdir, f"qps{qps}"
+        base, messages, poisson_schedule(qps, num_requests), max_tokens, max_users, workdir, f"qps{qps}",
+        ignore_eos=ignore_eos,
     )
     return {"qps": qps, "users": min(num_requests, max_users), **aggregate(records, num_requests)}
 
@@ -155,7 +156,8 @@ def latency(setup: Setup, rates: list[float], num_requests: int, max_users: int)
                                 log_path=workdir / "server.log") as base:
                 warm_up(base)
                 for qps in rates:
-                    result = run_rate(base, prompts, qps, num_requests, max_users, setup.max_tokens, workdir)
+                    result = run_rate(base, prompts, qps, num_requests, max_users, setup.max_tokens, workdir,
+                                      setup.ignore_eos)
                     rows.append({"suite": "latency", "method": method, "k": k, "temperature": 0.0,
                                  "dtype": default_dtype(), **result})
     return rows

@@ -1,6 +1,6 @@
 """Locust user for the latency suite: one streaming chat request per scheduled arrival.
 
-``bench/latency.py`` writes the plan (arrival times, conversations, max_tokens, timeouts) to the
+``bench/latency.py`` writes the plan (arrival times, conversations, max_tokens, ignore_eos, timeouts) to the
 JSON file named by ``EDSD_BENCH_PLAN``. Each user takes the next unclaimed arrival, sleeps until
 it and sends the request, so arrivals are open loop: a slow server does not lower the offered
 load, it only keeps more users busy. Every request's raw timings go as one JSON line to the file
@@ -88,7 +88,7 @@ class ChatUser(HttpUser):
     def send(self, messages: list[dict], start: float) -> dict:
         """One streaming request; failures (HTTP status, exceptions, truncation) become the error."""
         body = {"model": "bench", "messages": messages, "max_tokens": PLAN["max_tokens"], "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "ignore_eos": PLAN["ignore_eos"], "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True}
         with self.client.post("/v1/chat/completions", json=body, stream=True, name="chat", catch_response=True,
                               timeout=(10, PLAN["request_timeout_s"])) as r:

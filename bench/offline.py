@@ -72,6 +72,10 @@ class Setup:
     batch_sizes: list[int]
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # throughput's
     mixed_batch: int = 16  # the mixed suite's batch: half its requests opt out of drafting
+    # True: every reply is max_tokens long (equal work per method); False: replies end at the
+    # model's end of sequence, as users see them (prompt lookup then has no repetition past the
+    # answer to copy; docs: README, "Benchmarks").
+    ignore_eos: bool = True
     adaptive_threshold: float = DEFAULT_THRESHOLD
     runs: list[dict] = field(default_factory=list)
 
@@ -100,14 +104,15 @@ def engine(setup: Setup, method: str, k: int):
     return llm_session(setup.target, method_config(setup, method, k, draft_sample_method="probabilistic"))
 
 
-def generate(llm, conversations: list[list[dict]], temperature: float, max_tokens: int, one_at_a_time: bool) -> dict:
+def generate(llm, conversations: list[list[dict]], temperature: float, max_tokens: int, one_at_a_time: bool,
+             ignore_eos: bool = True) -> dict:
     """Output tokens/s and the spec-decode counters over these conversations."""
     from vllm import SamplingParams
 
     # No per-request seed (the engine's own seed=0 stands): vLLM 0.32's CPU build ends the engine
     # when a seeded request's prefill is split across steps at temperature > 0 ("CPU Generator
     # does not use offset", seen in a 64-request batch at T=1).
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos)
     before, tokens, start = spec_counters(llm), 0, time.perf_counter()
     groups = [[c] for c in conversations] if one_at_a_time else [conversations]
     for group in groups:
@@ -136,7 +141,7 @@ def acceptance(setup: Setup, method: str, k: int, llm) -> list[dict]:
     for temperature in (0.0, 1.0):
         for category in CATEGORIES:
             result = generate(llm, load_prompts(category, setup.prompts_per_category), temperature,
-                              setup.max_tokens, one_at_a_time=True)
+                              setup.max_tokens, one_at_a_time=True, ignore_eos=setup.ignore_eos)
             rows.append({"suite": "acceptance", "method": method, "k": k, "category": category,
                          "temperature": temperature, "batch_size": 1, **result})
     return rows
@@ -150,7 +155,8 @@ def throughput(setup: Setup, method: str, k: int, llm) -> list[dict]:
     for temperature in setup.temperatures:
         for batch in setup.batch_sizes:
             prompts = [pool[i % len(pool)] for i in range(batch)]
-            result = generate(llm, prompts, temperature, setup.max_tokens, one_at_a_time=False)
+            result = generate(llm, prompts, temperature, setup.max_tokens, one_at_a_time=False,
+                              ignore_eos=setup.ignore_eos)
             rows.append({"suite": "throughput", "method": method, "k": k, "batch_size": batch,
                          "temperature": temperature, **result})
     return rows
@@ -166,7 +172,7 @@ def robustness(setup: Setup, method: str, k: int, llm) -> list[dict]:
     rows = []
     for name, system in variants:
         convs = chats if system is None else [[{"role": "system", "content": system}, *c] for c in chats]
-        result = generate(llm, convs, 0.0, setup.max_tokens, one_at_a_time=False)
+        result = generate(llm, convs, 0.0, setup.max_tokens, one_at_a_time=False, ignore_eos=setup.ignore_eos)
         rows.append({"suite": "robustness", "method": method, "k": k, "system_prompt": name, "temperature": 0.0,
                      **result})
     return rows
@@ -196,7 +202,7 @@ def mixed(setup: Setup, method: str, k: int, llm) -> list[dict]:
     batch = [pool[i % len(pool)] for i in range(setup.mixed_batch)]
     rows = []
     for run, cap_of in MIXED_RUNS.items():
-        params = [SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True,
+        params = [SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=setup.ignore_eos,
                                  extra_args=None if cap_of(i) is None else {REQUEST_KEY: cap_of(i)})
                   for i in range(len(batch))]
         before, start = spec_counters(llm), time.monotonic()  # vLLM stamps tokens with time.monotonic()

@@ -50,6 +50,13 @@ def _draft_cost(rows: list[dict]) -> list[str]:
     return out
 
 
+def _reply_length(config: dict) -> str:
+    """How long each reply was: results written before --stop-at-eos always ignored EOS."""
+    if config.get("ignore_eos", True):
+        return "replies: every one generated to max_tokens (ignore_eos), past the model's end of answer"
+    return "replies: each ended at the model's end of sequence (--stop-at-eos), or at max_tokens"
+
+
 def render(results: dict) -> str:
     runs, m = results["runs"], results["machine"]
     out = [
@@ -59,7 +66,7 @@ def render(results: dict) -> str:
         f"target: `{results['config']['target']}`; "
         f"drafters: "
         + ", ".join(f"{k} `{v}`" for k, v in results["config"]["drafters"].items())
-        + f"\n\ncommand: `{results['config']['command']}`\n"
+        + f"\n\ncommand: `{results['config']['command']}`\n\n{_reply_length(results['config'])}\n"
     ]
     for suite, reason in results.get("failed_suites", {}).items():
         out.append(f"\n**The {suite} suite failed** ({reason}); it has no rows below.\n")

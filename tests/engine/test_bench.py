@@ -125,6 +125,22 @@ def test_draft_length_variants_side_by_side(models, tmp_path):
     assert "| edsd-adaptive | 4 | 1 | 8 |" in (out / "report.md").read_text()
 
 
+def test_stop_at_eos_ends_replies_where_the_model_ends_its_answer(tmp_path):
+    """``--stop-at-eos`` on the embedded demo target (a real chat model, which ends its answers):
+    one prompt per category in one batch under prompt lookup, and at least one reply ends before
+    --max-tokens, which ignore_eos (the default, every reply exactly --max-tokens) never does."""
+    out, max_tokens = tmp_path / "out", 192
+    cmd = [sys.executable, "-m", "bench", "throughput", "--stop-at-eos", "--out", str(out), "--methods", "ngram",
+           "--prompts-per-category", "1", "--batch-sizes", "5", "--max-tokens", str(max_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    [row] = results["runs"]
+    assert results["config"]["ignore_eos"] is False
+    assert 0 < row["output_tokens"] < 5 * max_tokens
+    assert "(--stop-at-eos)" in (out / "report.md").read_text()
+
+
 def test_unknown_bench_method_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench", "throughput", "--out", str(tmp_path / "out"),
                            "--methods", "none,edsd-fancy"], capture_output=True, text=True, timeout=300)

@@ -247,6 +247,7 @@ def test_run_saved_mid_epoch_resumes_to_the_uninterrupted_result(setup, ddp_run,
     assert run(cut, "--save-every", 1, die_at_save=3).returncode != 0
     state = torch.load(cut / "training_state.pt", weights_only=True)
     assert (state["epoch"], state["batches"]) == (-1, 2) and not (cut / "epoch_0").exists()
+    trained_before = state["wall_s"]
     resumed = run(cut, "--save-every", 1)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "2 batches into epoch 1" in (rank_output(cut, 0) if ranks > 1 else resumed.stdout)
@@ -255,6 +256,8 @@ def test_run_saved_mid_epoch_resumes_to_the_uninterrupted_result(setup, ddp_run,
     logs = [[{k: v for k, v in json.loads(line).items() if k != "wall_s"}
              for line in (r / "train_log.jsonl").read_text().splitlines()] for r in (whole, cut)]
     assert logs[0] == logs[1]
+    # the resumed epoch's wall time counts its batches trained before the interruption too
+    assert json.loads((cut / "train_log.jsonl").read_text().splitlines()[0])["wall_s"] > trained_before > 0
 
 
 @pytest.mark.parametrize("method", ["eagle3", "specforge"])

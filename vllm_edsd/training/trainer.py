@@ -292,12 +292,13 @@ def _check_parallelism(state: dict, run: Path, world: World) -> None:
 
 @dataclass
 class _Progress:
-    """Where a run resumes: the epoch to run, its batches already trained and this rank's sums
-    of them (none at an epoch's start), and the log of the finished epochs."""
+    """Where a run resumes: the epoch to run, its batches already trained, this rank's sums of
+    them (none at an epoch's start) and the wall time they took, and the log of the finished epochs."""
 
     epoch: int = 0
     batches: int = 0
     sums: dict | None = None
+    wall_s: float = 0.0
     log: list[dict] = field(default_factory=list)
 
 
@@ -314,7 +315,8 @@ def _resume(state_path: Path, fitter: Fitter, generator: torch.Generator, world:
     generator.set_state(own["generator"])
     torch.set_rng_state(own["rng"]["torch"])
     random.setstate(own["rng"]["python"])
-    progress = _Progress(state["epoch"] + 1, state.get("batches", 0), own.get("sums"), state["log"])
+    progress = _Progress(state["epoch"] + 1, state.get("batches", 0), own.get("sums"), state.get("wall_s", 0.0),
+                         state["log"])
     if world.main:
         where = f"{progress.batches} batches into epoch {progress.epoch + 1}" if progress.batches else \
             f"after epoch {state['epoch']}"
@@ -387,16 +389,19 @@ def train(
             torch.manual_seed(recipe.seed + world.rank)
     log = progress.log
     steps = world.min(count_batches(shards[world.rank :: world.size], recipe.batch_size)) if world.size > 1 else None
+    epoch_length = steps or count_batches(shards, recipe.batch_size)
     for epoch in range(progress.epoch, recipe.epochs):
-        started, shuffle = time.time(), generator.get_state()
-        skip, sums = (progress.batches, progress.sums) if epoch == progress.epoch else (0, None)
+        resumed = epoch == progress.epoch
+        # the epoch's wall time includes the part trained before an interruption
+        started, shuffle = time.time() - (progress.wall_s if resumed else 0.0), generator.get_state()
+        skip, sums = (progress.batches, progress.sums) if resumed else (0, None)
         batches = epoch_batches(shards, recipe.batch_size, [generator], columns, [world.rank], world.size, steps, skip)
 
-        def save(done: int, so_far: dict, epoch=epoch, shuffle=shuffle) -> None:
-            if save_every and done % save_every == 0:
+        def save(done: int, so_far: dict, epoch=epoch, shuffle=shuffle, started=started) -> None:
+            if save_every and done % save_every == 0 and done < epoch_length:  # the epoch's end saves anyway
                 state = _gathered_state(fitter, world, epoch - 1, log, shuffle, done, so_far)
                 if world.main:
-                    _write_state(state_path, state)
+                    _write_state(state_path, {**state, "wall_s": time.time() - started})
 
         entry = _run_epoch(fitter, batches, epoch, world, skip, sums, save)
         log.append({**entry, "wall_s": time.time() - started})
