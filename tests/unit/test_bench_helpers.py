@@ -1,10 +1,13 @@
 """The bench's helpers on their own, no engine: speed-up ratios, the Poisson arrival schedule,
-latency summaries from raw timings, and a missing optional dependency as one line."""
+latency summaries from raw timings, a missing optional dependency as one line, and what a report
+says of its replies' length."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,3 +125,17 @@ def test_learning_curve_refuses_bad_arguments_in_one_line(argv, message, tmp_pat
                            "--work", str(tmp_path / "work"), *argv], capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_report_says_how_long_the_replies_were():
+    """A report says whether replies ran to max_tokens or ended at EOS; results written before
+    ``--stop-at-eos`` existed (no ``config.ignore_eos``) always ran to max_tokens."""
+    from bench.report import render
+
+    results = Path(__file__).parents[2] / "bench" / "results" / "learning-curve-10k"
+    older = json.loads((results / "speed-after-epoch-2" / "results.json").read_text())
+    stopped = json.loads((results / "speed-stop-at-eos" / "results.json").read_text())
+    assert "ignore_eos" not in older["config"] and stopped["config"]["ignore_eos"] is False
+    assert "generated to max_tokens (ignore_eos)" in render(older)
+    assert "ended at the model's end of sequence (--stop-at-eos)" in render(stopped)
+    assert "(--stop-at-eos)" not in render(older)
