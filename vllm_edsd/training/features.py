@@ -254,9 +254,10 @@ def iterate_batches(
     shards they cover whole are not read: the generator ends as if they had been."""
     for shard_index in torch.randperm(len(shards), generator=generator).tolist():
         samples = shard_samples(shards[shard_index])
-        if skip >= batch_count(samples, batch_size):
+        count = batch_count(samples, batch_size)
+        if skip >= count:
             _shard_draws(samples, batch_size, generator)
-            skip -= batch_count(samples, batch_size)
+            skip -= count
             continue
         yield from islice(shard_batches(read_shard(shards[shard_index], columns), batch_size, generator), skip, None)
         skip = 0
