@@ -23,7 +23,7 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD
 
 from . import draft_cost
-from .offline import OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
+from .offline import CATEGORIES, OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
 from .report import plots, render
 
 SUITES = ("acceptance", "throughput", "latency", "robustness", "mixed")  # what "all" runs
@@ -89,6 +89,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--k", default="4", help="num_speculative_tokens, comma-separated (default 4)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: proves the suites run (used by CI)")
     parser.add_argument("--prompts-per-category", type=int, default=None)
+    parser.add_argument("--categories", default=",".join(CATEGORIES),
+                        help="prompt categories, comma-separated, for every suite but robustness (which "
+                             f"always uses chat); for example chat alone (default {','.join(CATEGORIES)})")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="end each reply at the model's end of sequence, as users see it (default: every reply "
@@ -105,6 +108,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", default=None,
                         help="draft-cost: compiled (vLLM's default) and/or eager (enforce_eager), comma-separated "
                              "(default both; quick: eager)")
+    parser.add_argument("--dtype", choices=draft_cost.DTYPES, default=None,
+                        help="the engines' dtype in every suite but draft-cost (default: bfloat16 where the CPU "
+                             "computes it natively, else float32); float32 keeps every speculative reply the "
+                             "target's own, so all methods time the same texts")
     parser.add_argument("--dtypes", default=None,
                         help="draft-cost: engine dtypes, comma-separated (default float32,bfloat16; quick: the "
                              "CPU's default)")
@@ -138,6 +145,10 @@ def build_setup(args: argparse.Namespace) -> Setup:
         print(f"skipping {', '.join(skipped)}: no drafter given", file=sys.stderr)
     if not 0 < args.adaptive_threshold < 1:
         raise EDSDError(f"--adaptive-threshold must be between 0 and 1 (exclusive), got {args.adaptive_threshold}")
+    categories = tuple(dict.fromkeys(args.categories.split(",")))
+    unknown = sorted(set(categories) - set(CATEGORIES))
+    if unknown:
+        raise EDSDError(f"unknown categor(ies) {', '.join(unknown)}; choose from {', '.join(CATEGORIES)}")
     quick = args.quick
     return Setup(
         target=target, drafters=drafters, methods=methods, ks=[int(k) for k in args.k.split(",")],
@@ -146,6 +157,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         batch_sizes=[int(b) for b in (args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256")).split(",")],
         temperatures=[float(t) for t in args.temperatures.split(",")], adaptive_threshold=args.adaptive_threshold,
         mixed_batch=args.mixed_batch or (4 if quick else 16), ignore_eos=not args.stop_at_eos,
+        categories=categories, dtype=args.dtype,
     )
 
 
@@ -206,7 +218,8 @@ def write_results(out: Path, setup: Setup, args: argparse.Namespace, command: li
     """results.json, report.md and the plots of everything measured so far."""
     results = {"machine": machine(),
                "config": {"target": setup.target, "drafters": setup.drafters, "methods": setup.methods,
-                          "ks": setup.ks, "ignore_eos": setup.ignore_eos, "quick": args.quick,
+                          "ks": setup.ks, "ignore_eos": setup.ignore_eos,
+                          "categories": list(setup.categories), "quick": args.quick,
                           "command": "python -m bench " + " ".join(command)},
                "runs": runs, "failed_suites": failed}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.server import default_dtype, running_server
 
-from .offline import CATEGORIES, Setup, load_prompts, method_config
+from .offline import Setup, method_config, prompt_pool
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 SEED = 0
@@ -145,19 +145,20 @@ def warm_up(base: str) -> None:
 
 def latency(setup: Setup, rates: list[float], num_requests: int, max_users: int) -> list[dict]:
     """Latency rows per (method, K) and request rate, all methods on the same seeded arrivals."""
-    prompts = [c for cat in CATEGORIES for c in load_prompts(cat, setup.prompts_per_category)]
+    prompts = prompt_pool(setup)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for method, k in tqdm(setup.methods_with_k(), desc="latency", unit="server"):
             workdir = Path(tmp) / f"{method}-k{k}"
             workdir.mkdir()
             spec = method_config(setup, method, k)
-            with running_server(setup.target, spec, extra_args=["--served-model-name", "bench"],
+            dtype = setup.dtype or default_dtype()
+            with running_server(setup.target, spec, extra_args=["--served-model-name", "bench", "--dtype", dtype],
                                 log_path=workdir / "server.log") as base:
                 warm_up(base)
                 for qps in rates:
                     result = run_rate(base, prompts, qps, num_requests, max_users, setup.max_tokens, workdir,
                                       setup.ignore_eos)
                     rows.append({"suite": "latency", "method": method, "k": k, "temperature": 0.0,
-                                 "dtype": default_dtype(), **result})
+                                 "dtype": dtype, **result})
     return rows

@@ -7,6 +7,7 @@ check). Every ``speedup`` divides two throughputs measured in the same run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,11 @@ def load_prompts(category: str, limit: int) -> list[list[dict]]:
     return data["conversations"][:limit]
 
 
+def prompt_pool(setup: Setup) -> list[list[dict]]:
+    """The prompts of every category the run measures, category after category."""
+    return [c for category in setup.categories for c in load_prompts(category, setup.prompts_per_category)]
+
+
 def system_prompts() -> list[str]:
     return json.loads(resources.files("bench").joinpath("prompts/system_prompts.json").read_text())["system_prompts"]
 
@@ -77,6 +83,11 @@ class Setup:
     # answer to copy; docs: README, "Benchmarks").
     ignore_eos: bool = True
     adaptive_threshold: float = DEFAULT_THRESHOLD
+    categories: tuple[str, ...] = CATEGORIES  # the prompt categories every suite but robustness draws from
+    # The engines' dtype (draft-cost has its own --dtypes); None: the CPU's default, bf16 where
+    # it is native. float32 keeps speculative replies the target's own, so every method times
+    # the same texts.
+    dtype: str | None = None
     runs: list[dict] = field(default_factory=list)
 
     def methods_with_k(self) -> list[tuple[str, int]]:
@@ -101,7 +112,8 @@ def method_config(setup: Setup, method: str, k: int, **extra) -> dict | None:
 def engine(setup: Setup, method: str, k: int):
     """The engine for (method, K); sampled drafts at temperature > 0 (vLLM still drafts
     greedily for greedy requests)."""
-    return llm_session(setup.target, method_config(setup, method, k, draft_sample_method="probabilistic"))
+    return llm_session(setup.target, method_config(setup, method, k, draft_sample_method="probabilistic"),
+                       **({"dtype": setup.dtype} if setup.dtype else {}))
 
 
 def generate(llm, conversations: list[list[dict]], temperature: float, max_tokens: int, one_at_a_time: bool,
@@ -113,14 +125,16 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
     # when a seeded request's prefill is split across steps at temperature > 0 ("CPU Generator
     # does not use offset", seen in a 64-request batch at T=1).
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    before, tokens, start = spec_counters(llm), 0, time.perf_counter()
+    before, replies, start = spec_counters(llm), [], time.perf_counter()
     groups = [[c] for c in conversations] if one_at_a_time else [conversations]
     for group in groups:
-        tokens += sum(len(o.outputs[0].token_ids) for o in llm.chat(group, params, use_tqdm=False))
+        replies += [o.outputs[0].token_ids for o in llm.chat(group, params, use_tqdm=False)]
     elapsed = time.perf_counter() - start
     counters = spec_counters(llm) - before
+    tokens = sum(len(reply) for reply in replies)
     return {
         "dtype": engine_dtype(llm),
+        "reply_digests": [reply_digest(reply) for reply in replies],
         "output_tokens": tokens,
         "elapsed_s": elapsed,
         "output_tokens_per_s": tokens / elapsed,
@@ -139,7 +153,7 @@ def acceptance(setup: Setup, method: str, k: int, llm) -> list[dict]:
     """τ, per-position acceptance and tokens/s per category and temperature, batch size 1."""
     rows = []
     for temperature in (0.0, 1.0):
-        for category in CATEGORIES:
+        for category in setup.categories:
             result = generate(llm, load_prompts(category, setup.prompts_per_category), temperature,
                               setup.max_tokens, one_at_a_time=True, ignore_eos=setup.ignore_eos)
             rows.append({"suite": "acceptance", "method": method, "k": k, "category": category,
@@ -149,7 +163,7 @@ def acceptance(setup: Setup, method: str, k: int, llm) -> list[dict]:
 
 def throughput(setup: Setup, method: str, k: int, llm) -> list[dict]:
     """Output tokens/s at each batch size and temperature (chain drafting)."""
-    pool = [c for cat in CATEGORIES for c in load_prompts(cat, setup.prompts_per_category)]
+    pool = prompt_pool(setup)
     generate(llm, pool[:1], 0.0, 8, one_at_a_time=False)  # warm-up
     rows = []
     for temperature in setup.temperatures:
@@ -198,7 +212,7 @@ def mixed(setup: Setup, method: str, k: int, llm) -> list[dict]:
         return []
     from vllm import SamplingParams
 
-    pool = [c for cat in CATEGORIES for c in load_prompts(cat, setup.prompts_per_category)]
+    pool = prompt_pool(setup)
     batch = [pool[i % len(pool)] for i in range(setup.mixed_batch)]
     rows = []
     for run, cap_of in MIXED_RUNS.items():
@@ -222,6 +236,11 @@ def mixed(setup: Setup, method: str, k: int, llm) -> list[dict]:
 MEASURE = {"acceptance": acceptance, "throughput": throughput, "robustness": robustness, "mixed": mixed}
 
 
+def reply_digest(token_ids) -> str:
+    """A short fingerprint of one reply's token ids: rows of one run compare their texts by it."""
+    return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
+
+
 def offline(setup: Setup, method: str, k: int, suites: list[str]) -> list[dict]:
     """The rows of every offline suite in ``suites`` for (method, K), all from one engine: an
     engine start costs more than most suites' measurements on a CPU."""
@@ -232,13 +251,17 @@ def offline(setup: Setup, method: str, k: int, suites: list[str]) -> list[dict]:
 def with_derived(runs: list[dict]) -> list[dict]:
     """``runs`` with each row's figures relative to others of the same run: ``speedup`` over
     the no-speculation row (acceptance: same category and temperature; throughput: same batch
-    size and temperature) and robustness's ``tau_drop`` against no system prompt."""
+    size and temperature), ``same_replies`` (at T=0: how many replies equal that row's, token
+    for token; bf16 rounding can change a reply at a near-tie, docs: README, "Benchmarks") and
+    robustness's ``tau_drop`` against no system prompt."""
     for suite, keys in (("acceptance", ("category", "temperature")), ("throughput", ("batch_size", "temperature"))):
         rows = [r for r in runs if r["suite"] == suite]
-        base = {tuple(r[key] for key in keys): r["output_tokens_per_s"] for r in rows if r["method"] == "none"}
+        base = {tuple(r[key] for key in keys): r for r in rows if r["method"] == "none"}
         for r in rows:
             ref = base.get(tuple(r[key] for key in keys))
-            r["speedup"] = None if ref is None else r["output_tokens_per_s"] / ref
+            r["speedup"] = None if ref is None else r["output_tokens_per_s"] / ref["output_tokens_per_s"]
+            greedy = ref is not None and r["temperature"] == 0 and "reply_digests" in r
+            r["same_replies"] = sum(map(str.__eq__, r["reply_digests"], ref["reply_digests"])) if greedy else None
     robust = [r for r in runs if r["suite"] == "robustness"]
     default = {(r["method"], r["k"]): r["tau"] for r in robust if r["system_prompt"] == "default"}
     for r in robust:

@@ -57,11 +57,25 @@ def _reply_length(config: dict) -> str:
     return "replies: each ended at the model's end of sequence (--stop-at-eos), or at max_tokens"
 
 
+def _engines_dtype(runs: list[dict], machine: dict) -> str:
+    """The one dtype every row ran in, or this machine's default where rows differ (draft-cost)."""
+    dtypes = {r["dtype"] for r in runs if r.get("dtype")}
+    if len(dtypes) == 1:
+        return f"engines' dtype: {dtypes.pop()}"
+    return f"engines' dtype: {machine.get('default_dtype', '?')} by default (each row names its own)"
+
+
+def _same_replies(row: dict) -> str:
+    """How many replies equal no speculation's at T=0, as "6/8" ("–" where not compared)."""
+    same = row.get("same_replies")
+    return "–" if same is None else f"{same}/{len(row['reply_digests'])}"
+
+
 def render(results: dict) -> str:
     runs, m = results["runs"], results["machine"]
     out = [
         f"# Benchmark report\n\nmachine: {m['processor']} ({m['cores']} cores; {m.get('cpu_instruction_set', '?')}), "
-        f"accelerator: {m['accelerator']}; engines' dtype: {m.get('default_dtype', '?')} (each row names its own); "
+        f"accelerator: {m['accelerator']}; {_engines_dtype(runs, m)}; "
         f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}{_load(m)}\n\n"
         f"target: `{results['config']['target']}`; "
         f"drafters: "
@@ -73,7 +87,8 @@ def render(results: dict) -> str:
     acc = [r for r in runs if r["suite"] == "acceptance"]
     if acc:
         out.append("## Acceptance (batch size 1)\n\nτ = mean acceptance length; draft len = mean tokens per draft "
-                   "(K unless the length adapts); speed-up over no speculation in the same run.\n")
+                   "(K unless the length adapts); speed-up over no speculation in the same run; same replies: "
+                   "at T=0, the replies equal to no speculation's, token for token.\n")
         out.append(
             _table(
                 [
@@ -87,6 +102,7 @@ def render(results: dict) -> str:
                     "draft len",
                     "tok/s",
                     "speed-up",
+                    "same replies",
                 ],
                 [
                     [
@@ -100,6 +116,7 @@ def render(results: dict) -> str:
                         _fmt(r.get("mean_draft_length")),
                         _fmt(r["output_tokens_per_s"], ".1f"),
                         _fmt(r["speedup"]),
+                        _same_replies(r),
                     ]
                     for r in acc
                 ],
@@ -110,7 +127,7 @@ def render(results: dict) -> str:
         out.append("\n## Throughput vs batch size (chain drafting)\n")
         out.append(
             _table(
-                ["method", "K", "T", "batch", "dtype", "tok/s", "speed-up", "τ", "draft len"],
+                ["method", "K", "T", "batch", "dtype", "tok/s", "speed-up", "τ", "draft len", "same replies"],
                 [
                     [
                         r["method"],
@@ -122,6 +139,7 @@ def render(results: dict) -> str:
                         _fmt(r["speedup"]),
                         _fmt(r["tau"]),
                         _fmt(r.get("mean_draft_length")),
+                        _same_replies(r),
                     ]
                     for r in thr
                 ],

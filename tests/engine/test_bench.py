@@ -127,32 +127,31 @@ def test_draft_length_variants_side_by_side(models, tmp_path):
 
 def test_stop_at_eos_ends_replies_where_the_model_ends_its_answer(tmp_path):
     """``--stop-at-eos`` on the embedded demo target (a real chat model, which ends its answers):
-    one prompt per category in one batch under prompt lookup, and at least one reply ends before
-    --max-tokens, which ignore_eos (the default, every reply exactly --max-tokens) never does."""
+    the acceptance suite of two ``--categories`` in float32 (``--dtype``), and at least one reply
+    ends before --max-tokens, which ignore_eos (the default, every reply exactly --max-tokens)
+    never does. Prompt lookup's greedy replies are the target's own, as the report says."""
     out, max_tokens = tmp_path / "out", 192
-    cmd = [sys.executable, "-m", "bench", "throughput", "--stop-at-eos", "--out", str(out), "--methods", "ngram",
-           "--prompts-per-category", "1", "--batch-sizes", "5", "--max-tokens", str(max_tokens)]
+    cmd = [sys.executable, "-m", "bench", "acceptance", "--stop-at-eos", "--out", str(out), "--methods", "none,ngram",
+           "--categories", "chat,math", "--prompts-per-category", "1", "--max-tokens", str(max_tokens),
+           "--dtype", "float32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
-    [row] = results["runs"]
-    assert results["config"]["ignore_eos"] is False
-    assert 0 < row["output_tokens"] < 5 * max_tokens
-    assert "(--stop-at-eos)" in (out / "report.md").read_text()
+    assert results["config"]["ignore_eos"] is False and results["config"]["categories"] == ["chat", "math"]
+    rows = {(r["method"], r["category"], r["temperature"]): r for r in results["runs"]}
+    assert sorted(rows) == sorted((m, c, t) for m in ("none", "ngram") for c in ("chat", "math") for t in (0.0, 1.0))
+    assert {r["dtype"] for r in rows.values()} == {"float32"}
+    assert 0 < min(r["output_tokens"] for r in rows.values()) < max_tokens
+    assert [rows["ngram", c, 0.0]["same_replies"] for c in ("chat", "math")] == [1, 1]
+    assert rows["ngram", "chat", 0.0]["drafts"] + rows["ngram", "math", 0.0]["drafts"] > 0
+    report = (out / "report.md").read_text()
+    assert "(--stop-at-eos)" in report and "| ngram | 4 | 0 | math | float32 |" in report
 
 
-def test_unknown_bench_method_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench", "throughput", "--out", str(tmp_path / "out"),
-                           "--methods", "none,edsd-fancy"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "unknown method(s) edsd-fancy" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-
-
-
-
-
-
-
-
+@pytest.mark.parametrize("argv, message", [(["--methods", "none,edsd-fancy"], "unknown method(s) edsd-fancy"),
+                                           (["--categories", "chat,poetry"], "unknown categor(ies) poetry")])
+def test_bad_bench_arguments_are_one_line(argv, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench", "throughput", "--out", str(tmp_path / "out"), *argv],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

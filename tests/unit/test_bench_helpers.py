@@ -32,6 +32,27 @@ def test_relative_figures_come_from_rows_of_the_same_kind():
     assert [r["tau_drop"] for r in runs[6:]] == [0.0, -0.25]
 
 
+def test_same_replies_count_greedy_replies_equal_to_the_target_alone():
+    """At T=0 a row counts its replies equal, in order, to the no-speculation row's of the same
+    category; sampled rows, rows without a baseline and rows written before the digests existed
+    are not compared, and the report says so with a dash."""
+    from bench.offline import reply_digest
+    from bench.report import _same_replies
+
+    a, b, c = (reply_digest(ids) for ids in ([1, 2, 3], [4, 5], [4, 6]))
+    assert a != reply_digest([1, 2]) and b != c and reply_digest((4, 5)) == b
+
+    def row(method, digests, temperature=0.0, category="chat"):
+        return {"suite": "acceptance", "method": method, "k": 4, "batch_size": 1, "category": category,
+                "temperature": temperature, "output_tokens_per_s": 1.0, "reply_digests": digests}
+
+    runs = with_derived([row("none", [a, b]), row("edsd", [a, c]), row("ngram", [b, a]), row("none", [a, b], 1.0),
+                         row("edsd", [a, b], 1.0), row("edsd", [a, b], category="math"),
+                         {k: v for k, v in row("eagle3", [a, b]).items() if k != "reply_digests"}])
+    assert [r["same_replies"] for r in runs] == [2, 1, 0, None, None, None, None]
+    assert [_same_replies(r) for r in runs[:4]] == ["2/2", "1/2", "0/2", "–"]
+
+
 def test_poisson_schedule_is_seeded_and_has_exponential_gaps():
     arrivals = poisson_schedule(4.0, 20000, seed=1)
     assert arrivals == poisson_schedule(4.0, 20000, seed=1)
@@ -139,3 +160,12 @@ def test_report_says_how_long_the_replies_were():
     assert "generated to max_tokens (ignore_eos)" in render(older)
     assert "ended at the model's end of sequence (--stop-at-eos)" in render(stopped)
     assert "(--stop-at-eos)" not in render(older)
+
+
+def test_report_header_names_the_dtype_every_row_ran_in():
+    """``--dtype float32`` on a bf16 machine: the header says float32, not the machine's default."""
+    from bench.report import _engines_dtype
+
+    machine = {"default_dtype": "bfloat16"}
+    assert _engines_dtype([{"dtype": "float32"}, {"dtype": "float32"}], machine) == "engines' dtype: float32"
+    assert "bfloat16 by default" in _engines_dtype([{"dtype": "float32"}, {"dtype": "bfloat16"}], machine)
