@@ -173,8 +173,8 @@ def write_example(tmp_path: Path, text: str) -> Path:
 
 
 def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
-    """``pipeline.toml`` and build-demo's flags give the arguments the demo's drafters were
-    trained with (before the pipeline existed)."""
+    """``pipeline.toml`` and build-demo's flags give the arguments the shipped drafters were
+    trained with (all 10,043 conversations, saved every 100 batches; the epochs from the flag)."""
     from vllm_edsd.demo import DEMO_PROMPTS, build
     from vllm_edsd.pipeline import Plan, load_config
 
@@ -183,13 +183,13 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     flags = parser.parse_args(["--work", str(tmp_path), "--device", "cpu", "--draft-epochs", "2"])
     plan = Plan(load_config(build.PIPELINE, build.demo_overrides(flags, toy["target"])))
     (tmp_path / "layers.json").write_text(json.dumps({"aux_layer_ids": [1, 3]}))
-    data = str(tmp_path / "regenerated-480chat-240code-192tokens-seed0.jsonl")
+    data = str(tmp_path / "regenerated-8070chat-1973code-192tokens-seed0.jsonl")
     argv = plan.train_argv("edsd")
     pairs = dict(zip(argv[2::2], argv[3::2]))
     assert argv[:2] == ["train", str(toy["target"])] and pairs == {
         "--out": str(tmp_path / "edsd"), "--method": "edsd", "--layers-from": str(tmp_path / "layers.json"),
         "--data": data, "--epochs": "2", "--ttt-steps": "4", "--lr": "0.001", "--draft-vocab-size": "4096",
-        "--max-length": "448", "--batch-size": "8", "--seed": "0", "--device": "cpu",
+        "--max-length": "448", "--batch-size": "8", "--seed": "0", "--device": "cpu", "--save-every": "100",
         "--cache": str(tmp_path / "cache"), "--feature-layers": "1,2,3"}
     assert "--layers-from" not in plan.train_argv("eagle3")
     assert plan.cfg["data"]["exclude"] == [prompt for _, prompt in DEMO_PROMPTS]
