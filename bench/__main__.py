@@ -84,8 +84,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              f"(default {DEFAULT_METHODS}; draft-cost: {','.join(draft_cost.METHODS)}, all it takes)")
     parser.add_argument("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
                         help=f"edsd-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")
-    parser.add_argument("--temperatures", default="0",
-                        help="throughput's sampling temperatures, comma-separated (default 0; acceptance runs 0 and 1)")
+    parser.add_argument("--temperatures", default=None,
+                        help="sampling temperatures, comma-separated, for acceptance and throughput (default: "
+                             "acceptance 0,1; throughput 0)")
     parser.add_argument("--k", default="4", help="num_speculative_tokens, comma-separated (default 4)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: proves the suites run (used by CI)")
     parser.add_argument("--prompts-per-category", type=int, default=None)
@@ -149,16 +150,39 @@ def build_setup(args: argparse.Namespace) -> Setup:
     unknown = sorted(set(categories) - set(CATEGORIES))
     if unknown:
         raise EDSDError(f"unknown categor(ies) {', '.join(unknown)}; choose from {', '.join(CATEGORIES)}")
+    for flag in ("prompts_per_category", "max_tokens", "mixed_batch", "num_requests", "max_users"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise EDSDError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     quick = args.quick
+    temperatures = numbers("--temperatures", args.temperatures, float, 0) if args.temperatures else None
     return Setup(
-        target=target, drafters=drafters, methods=methods, ks=[int(k) for k in args.k.split(",")],
+        target=target, drafters=drafters, methods=methods, ks=numbers("--k", args.k, int, 1),
         prompts_per_category=args.prompts_per_category or (2 if quick else 8),
         max_tokens=args.max_tokens or default_max_tokens(args),
-        batch_sizes=[int(b) for b in (args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256")).split(",")],
-        temperatures=[float(t) for t in args.temperatures.split(",")], adaptive_threshold=args.adaptive_threshold,
+        batch_sizes=numbers("--batch-sizes", args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256"),
+                            int, 1),
+        temperatures=temperatures or [0.0], acceptance_temperatures=temperatures or [0.0, 1.0],
+        adaptive_threshold=args.adaptive_threshold,
         mixed_batch=args.mixed_batch or (4 if quick else 16), ignore_eos=not args.stop_at_eos,
         categories=categories, dtype=args.dtype,
     )
+
+
+def numbers(flag: str, text: str, kind: type, least: float, above: bool = False) -> list:
+    """A comma-separated list of ints or floats, each at least ``least`` (above it with
+    ``above``), or one line naming the flag and the value at fault."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = kind(item)
+        except ValueError:
+            value = None
+        if value is None or value != value or value < least or (above and value == least):  # NaN fails too
+            bound = f"above {least}" if above else f"at least {least}"
+            raise EDSDError(f"{flag} takes comma-separated {kind.__name__}s, each {bound}; got {item!r} in {text!r}")
+        values.append(value)
+    return values
 
 
 def default_max_tokens(args: argparse.Namespace) -> int:
@@ -187,7 +211,7 @@ def measurements(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace
     if "latency" in suites:
         from .latency import latency
 
-        rates = [float(q) for q in (args.qps or ("1" if args.quick else "0.5,1,2,4")).split(",")]
+        rates = numbers("--qps", args.qps or ("1" if args.quick else "0.5,1,2,4"), float, 0, above=True)
         steps.append(("latency", ["latency"], functools.partial(
             latency, setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)))
     return steps

@@ -77,6 +77,7 @@ class Setup:
     max_tokens: int
     batch_sizes: list[int]
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # throughput's
+    acceptance_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     mixed_batch: int = 16  # the mixed suite's batch: half its requests opt out of drafting
     # True: every reply is max_tokens long (equal work per method); False: replies end at the
     # model's end of sequence, as users see them (prompt lookup then has no repetition past the
@@ -152,7 +153,7 @@ OFFLINE_SUITES = ("acceptance", "throughput", "robustness", "mixed")
 def acceptance(setup: Setup, method: str, k: int, llm) -> list[dict]:
     """τ, per-position acceptance and tokens/s per category and temperature, batch size 1."""
     rows = []
-    for temperature in (0.0, 1.0):
+    for temperature in setup.acceptance_temperatures:
         for category in setup.categories:
             result = generate(llm, load_prompts(category, setup.prompts_per_category), temperature,
                               setup.max_tokens, one_at_a_time=True, ignore_eos=setup.ignore_eos)
@@ -164,7 +165,6 @@ def acceptance(setup: Setup, method: str, k: int, llm) -> list[dict]:
 def throughput(setup: Setup, method: str, k: int, llm) -> list[dict]:
     """Output tokens/s at each batch size and temperature (chain drafting)."""
     pool = prompt_pool(setup)
-    generate(llm, pool[:1], 0.0, 8, one_at_a_time=False)  # warm-up
     rows = []
     for temperature in setup.temperatures:
         for batch in setup.batch_sizes:
@@ -245,7 +245,16 @@ def offline(setup: Setup, method: str, k: int, suites: list[str]) -> list[dict]:
     """The rows of every offline suite in ``suites`` for (method, K), all from one engine: an
     engine start costs more than most suites' measurements on a CPU."""
     with engine(setup, method, k) as llm:
+        warm_up(setup, llm)
         return [row for suite in suites for row in MEASURE[suite](setup, method, k, llm)]
+
+
+def warm_up(setup: Setup, llm) -> None:
+    """A few tokens greedy and sampled before anything is timed: an engine's first requests pay
+    one-time costs (lazy initialisation, the sampled path's first call) that would otherwise land
+    in whichever measurement comes first."""
+    for temperature in (0.0, 1.0):
+        generate(llm, prompt_pool(setup)[:1], temperature, 8, one_at_a_time=False)
 
 
 def with_derived(runs: list[dict]) -> list[dict]:

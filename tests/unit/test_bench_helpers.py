@@ -1,5 +1,5 @@
 """The bench's helpers on their own, no engine: speed-up ratios, the Poisson arrival schedule,
-latency summaries from raw timings, a missing optional dependency as one line, and what a report
+latency summaries from raw timings, a missing optional dependency and bad numbers as one line, and what a report
 says of its replies' length."""
 
 from __future__ import annotations
@@ -169,3 +169,46 @@ def test_report_header_names_the_dtype_every_row_ran_in():
     machine = {"default_dtype": "bfloat16"}
     assert _engines_dtype([{"dtype": "float32"}, {"dtype": "float32"}], machine) == "engines' dtype: float32"
     assert "bfloat16 by default" in _engines_dtype([{"dtype": "float32"}, {"dtype": "bfloat16"}], machine)
+
+
+def _setup(*argv: str):
+    from bench.__main__ import build_setup, parse
+
+    return build_setup(parse(["acceptance", "--out", "unused", "--target", "T", "--edsd", "E", *argv]))
+
+
+def test_temperatures_apply_to_acceptance_and_throughput_alike():
+    """Without --temperatures acceptance measures T=0 and T=1 and throughput T=0; with it both
+    measure exactly the temperatures given (a greedy-only acceptance run takes half the time)."""
+    default = _setup()
+    assert (default.acceptance_temperatures, default.temperatures) == ([0.0, 1.0], [0.0])
+    chosen = _setup("--temperatures", "0,0.7", "--k", "2,3", "--batch-sizes", "1,8")
+    assert (chosen.acceptance_temperatures, chosen.temperatures) == ([0.0, 0.7], [0.0, 0.7])
+    assert (chosen.ks, chosen.batch_sizes) == ([2, 3], [1, 8])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--k", "4,a"], "--k takes comma-separated ints, each at least 1; got 'a' in '4,a'"),
+    (["--k", "0"], "--k takes comma-separated ints, each at least 1; got '0'"),
+    (["--batch-sizes", "1,,4"], "--batch-sizes takes comma-separated ints"),
+    (["--temperatures", "-1"], "--temperatures takes comma-separated floats, each at least 0; got '-1'"),
+    (["--temperatures", "nan"], "--temperatures takes comma-separated floats"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["--prompts-per-category", "-2"], "--prompts-per-category must be at least 1, got -2"),
+])
+def test_bad_numbers_are_refused_naming_the_flag(argv, message):
+    from vllm_edsd.errors import EDSDError
+
+    with pytest.raises(EDSDError) as refused:
+        _setup(*argv)
+    assert message in str(refused.value)
+
+
+def test_bad_request_rate_is_refused_before_any_engine(tmp_path):
+    """--qps is read where the latency suite is planned, still before anything runs: one line,
+    exit 2, nothing written."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "bench", "latency", "--out", str(out), "--target", "T",
+                           "--edsd", "E", "--qps", "1,0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--qps takes comma-separated floats, each above 0; got '0'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
