@@ -77,7 +77,7 @@ class Setup:
     max_tokens: int
     batch_sizes: list[int]
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # throughput's
-    acceptance_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    acceptance_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # acceptance's
     mixed_batch: int = 16  # the mixed suite's batch: half its requests opt out of drafting
     # True: every reply is max_tokens long (equal work per method); False: replies end at the
     # model's end of sequence, as users see them (prompt lookup then has no repetition past the
