@@ -253,8 +253,9 @@ def warm_up(setup: Setup, llm) -> None:
     """A few tokens greedy and sampled before anything is timed: an engine's first requests pay
     one-time costs (lazy initialisation, the sampled path's first call) that would otherwise land
     in whichever measurement comes first."""
+    first = prompt_pool(setup)[:1]
     for temperature in (0.0, 1.0):
-        generate(llm, prompt_pool(setup)[:1], temperature, 8, one_at_a_time=False)
+        generate(llm, first, temperature, 8, one_at_a_time=False)
 
 
 def with_derived(runs: list[dict]) -> list[dict]:
