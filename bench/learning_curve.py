@@ -83,14 +83,23 @@ def train_point(plan, method: str, size: int, extra: list[str]) -> Path:
     # another data set or another ablation is another run
     run = plan.work / "curve" / plan.data().stem / (f"{method}-{size}" + (f"-{variant}" if variant else ""))
     if not finished_checkpoint(run / "final"):
-        run_command([*plan.train_argv(method, run), "--max-samples", str(size), "--save-every", str(SAVE_EVERY),
-                     *extra])
+        run_command([*own_layers(plan.train_argv(method, run), extra), "--max-samples", str(size),
+                     "--save-every", str(SAVE_EVERY), *extra])
     if method == "eagle3":
         return run / "final"
     served = run / "vllm"
     if not finished_checkpoint(served):
         run_command(["convert", str(run / "final"), str(served), "--target", plan.target, "--force"])
     return served
+
+
+def own_layers(argv: list[str], extra: list[str]) -> list[str]:
+    """``argv`` without EDSelect's layers when the ablation ``extra`` names its own ``--layers``
+    (``edsd train`` refuses both)."""
+    if "--layers" not in extra or "--layers-from" not in argv:
+        return argv
+    at = argv.index("--layers-from")
+    return argv[:at] + argv[at + 2:]
 
 
 def seen_prompts(plan, count: int) -> list[list[dict]]:

@@ -212,3 +212,13 @@ def test_bad_request_rate_is_refused_before_any_engine(tmp_path):
                            "--edsd", "E", "--qps", "1,0"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--qps takes comma-separated floats, each above 0; got '0'" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_an_ablation_that_names_its_layers_replaces_edselects():
+    from bench.learning_curve import own_layers
+
+    argv = ["train", "T", "--method", "edsd", "--layers-from", "layers.json", "--data", "d.json"]
+    assert own_layers(argv, ["--epochs", "3"]) == argv
+    assert own_layers(argv, ["--layers", "2,27"]) == ["train", "T", "--method", "edsd", "--data", "d.json"]
+    eagle3 = ["train", "T", "--method", "eagle3", "--data", "d.json"]
+    assert own_layers(eagle3, ["--layers", "2,15,27"]) == eagle3

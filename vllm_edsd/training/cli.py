@@ -67,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="target model directory (transformers format)")
     parser.add_argument("--out", required=True, help="run directory: checkpoints, cache, train_log.jsonl")
     parser.add_argument("--method", choices=("edsd", "eagle3"), default="edsd")
-    parser.add_argument("--layers", help="aux layer ids, vLLM convention: two for edsd, three for eagle3")
-    parser.add_argument("--layers-from", help="the JSON written by `edsd select` (edsd only)")
+    layers = parser.add_mutually_exclusive_group()
+    layers.add_argument("--layers", help="aux layer ids, vLLM convention: two for edsd, three for eagle3")
+    layers.add_argument("--layers-from", help="the JSON written by `edsd select` (edsd only)")
     parser.add_argument("--epochs", type=int, default=8, help="T (default 8)")
     parser.add_argument(
         "--ttt-steps", type=int, default=7, help="S_max for edsd, the fixed steps for eagle3 (default 7)"
