@@ -113,6 +113,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="the engines' dtype in every suite but draft-cost (default: bfloat16 where the CPU "
                              "computes it natively, else float32); float32 keeps every speculative reply the "
                              "target's own, so all methods time the same texts")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the offline engines' sampling seed (default 0): a sampled (T>0) row is one draw of "
+                             "its texts; rerun with other seeds to see how far its figures move")
     parser.add_argument("--dtypes", default=None,
                         help="draft-cost: engine dtypes, comma-separated (default float32,bfloat16; quick: the "
                              "CPU's default)")
@@ -154,6 +157,8 @@ def build_setup(args: argparse.Namespace) -> Setup:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise EDSDError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.seed < 0:
+        raise EDSDError(f"--seed must be at least 0, got {args.seed}")
     quick = args.quick
     temperatures = numbers("--temperatures", args.temperatures, float, 0) if args.temperatures else None
     return Setup(
@@ -165,7 +170,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         temperatures=temperatures or [0.0], acceptance_temperatures=temperatures or [0.0, 1.0],
         adaptive_threshold=args.adaptive_threshold,
         mixed_batch=args.mixed_batch or (4 if quick else 16), ignore_eos=not args.stop_at_eos,
-        categories=categories, dtype=args.dtype,
+        categories=categories, dtype=args.dtype, seed=args.seed,
     )
 
 

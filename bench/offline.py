@@ -89,6 +89,7 @@ class Setup:
     # it is native. float32 keeps speculative replies the target's own, so every method times
     # the same texts.
     dtype: str | None = None
+    seed: int = 0  # the offline engines' sampling seed: T>0 rows are one draw of their texts per seed
     runs: list[dict] = field(default_factory=list)
 
     def methods_with_k(self) -> list[tuple[str, int]]:
@@ -114,7 +115,7 @@ def engine(setup: Setup, method: str, k: int):
     """The engine for (method, K); sampled drafts at temperature > 0 (vLLM still drafts
     greedily for greedy requests)."""
     return llm_session(setup.target, method_config(setup, method, k, draft_sample_method="probabilistic"),
-                       **({"dtype": setup.dtype} if setup.dtype else {}))
+                       seed=setup.seed, **({"dtype": setup.dtype} if setup.dtype else {}))
 
 
 def generate(llm, conversations: list[list[dict]], temperature: float, max_tokens: int, one_at_a_time: bool,

@@ -185,6 +185,7 @@ def test_temperatures_apply_to_acceptance_and_throughput_alike():
     chosen = _setup("--temperatures", "0,0.7", "--k", "2,3", "--batch-sizes", "1,8")
     assert (chosen.acceptance_temperatures, chosen.temperatures) == ([0.0, 0.7], [0.0, 0.7])
     assert (chosen.ks, chosen.batch_sizes) == ([2, 3], [1, 8])
+    assert (default.seed, _setup("--seed", "7").seed) == (0, 7)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -195,6 +196,7 @@ def test_temperatures_apply_to_acceptance_and_throughput_alike():
     (["--temperatures", "nan"], "--temperatures takes comma-separated floats"),
     (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
     (["--prompts-per-category", "-2"], "--prompts-per-category must be at least 1, got -2"),
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),
 ])
 def test_bad_numbers_are_refused_naming_the_flag(argv, message):
     from vllm_edsd.errors import EDSDError
