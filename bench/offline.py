@@ -254,7 +254,7 @@ def warm_up(setup: Setup, llm) -> None:
     """A few tokens greedy and sampled before anything is timed: an engine's first requests pay
     one-time costs (lazy initialisation, the sampled path's first call) that would otherwise land
     in whichever measurement comes first."""
-    first = prompt_pool(setup)[:1]
+    first = load_prompts(setup.categories[0], 1)  # the pool's first prompt, without reading every category
     for temperature in (0.0, 1.0):
         generate(llm, first, temperature, 8, one_at_a_time=False)
 
