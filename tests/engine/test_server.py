@@ -184,3 +184,16 @@ def test_health_poll_outlasts_a_server_that_does_not_answer_yet(tmp_path):
             alive.wait()
     assert "starting the engine" in str(err.value)  # the log is quoted
     assert time.time() - started >= 5
+
+
+def test_server_that_fails_to_start_names_vllms_reason(models, tmp_path):
+    """An engine that cannot start (here: a KV cache too small for one sequence, which is how a
+    CPU whose NUMA node reports little memory failed the demo) is one error carrying vLLM's own
+    reason from the engine core's log, not the API server's "see root cause above" traceback."""
+    with pytest.raises(EDSDError) as err:
+        with running_server(models["llama"], extra_args=[*SERVER_ARGS, "--kv-cache-memory-bytes", "4096"],
+                            log_path=tmp_path / "startup.log"):
+            pytest.fail("the server started with a 4 KiB KV cache")
+    message = str(err.value)
+    assert "during start-up: ValueError:" in message and "memory" in message, message
+    assert "Traceback" not in message and "\n" not in message, message

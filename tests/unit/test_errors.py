@@ -192,3 +192,18 @@ def test_request_caps_are_read_per_row_and_cut_the_drafts():
     drafts = torch.arange(12).view(3, 4)
     assert cut(drafts, [0, 4, 2]) == [[], [4, 5, 6, 7], [8, 9]]
     assert cut([[1, 2], [3], []], [1, 0, 2]) == [[1], [], []]
+
+
+def test_cpu_servers_hold_the_context_their_kv_cache_fits():
+    """On a CPU the launcher caps the context as the offline engines do, unless told otherwise:
+    vLLM sizes a CPU KV cache from the NUMA node's memory, which left one machine too little
+    for the demo target's 8,192 tokens."""
+    from vllm_edsd.launch.engine import CPU_MAX_MODEL_LEN, on_cpu
+    from vllm_edsd.launch.server import server_command
+
+    if not on_cpu():
+        pytest.skip("the cap is for vLLM's CPU build")
+    default = server_command("TARGET", None, 8000)
+    assert default[default.index("--max-model-len") + 1] == str(CPU_MAX_MODEL_LEN)
+    chosen = server_command("TARGET", None, 8000, ["--max-model-len", "512"])
+    assert chosen.count("--max-model-len") == 1 and chosen[chosen.index("--max-model-len") + 1] == "512"

@@ -15,6 +15,11 @@ from pathlib import Path
 from typing import Any
 
 CPU_MEMORY_FRACTION = float(os.environ.get("EDSD_CPU_MEMORY_FRACTION", "0.25"))
+# vLLM's CPU worker sizes the KV cache as the fraction above of its NUMA node's memory, less
+# what the worker already holds after warm-up; a VM whose node reports 9 GiB was left 0.32 GiB,
+# less than one 8,192-token sequence of the demo target needs. Engines started here on a CPU
+# hold at most this many tokens per sequence (docs/known-issues.md).
+CPU_MAX_MODEL_LEN = 2048
 
 
 def on_cpu() -> bool:
@@ -75,7 +80,7 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
     defaults: dict[str, Any] = {"disable_log_stats": False, "seed": 0}
     use_cpu_workarounds()
     if on_cpu():
-        defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=2048, dtype=cpu_dtype())
+        defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=CPU_MAX_MODEL_LEN, dtype=cpu_dtype())
     defaults.update(kwargs)
     return LLM(model=target, speculative_config=spec, **defaults)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.launch.engine import CPU_MEMORY_FRACTION, cpu_dtype, on_cpu, use_cpu_workarounds
+from vllm_edsd.launch.engine import CPU_MAX_MODEL_LEN, CPU_MEMORY_FRACTION, cpu_dtype, on_cpu, use_cpu_workarounds
 
 
 def free_port() -> int:
@@ -44,6 +45,8 @@ def server_command(target: str, spec: dict | None, port: int, extra_args: list[s
     extra_args = list(extra_args or [])
     if on_cpu():
         cmd += ["--gpu-memory-utilization", str(CPU_MEMORY_FRACTION)]
+        if "--max-model-len" not in extra_args:
+            cmd += ["--max-model-len", str(CPU_MAX_MODEL_LEN)]
     if "--dtype" not in extra_args:
         cmd += ["--dtype", default_dtype()]
     if spec is not None:
@@ -51,10 +54,28 @@ def server_command(target: str, spec: dict | None, port: int, extra_args: list[s
     return cmd + extra_args
 
 
-def _tail(log: IO[str]) -> str:
+# vLLM's final exception after a failed start-up only points back at the engine's own error.
+_GENERIC_STARTUP_ERRORS = ("Engine core initialization failed", "Worker failed", "Engine process failed")
+# A traceback's last line, bare or behind a process prefix and vLLM's ERROR log header.
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\(.*?\)\s+)?(?:ERROR \S+ \S+ \[[^\]]*\]\s+)?([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$"
+)
+
+
+def startup_failure(log_text: str) -> str:
+    """What made a server's start-up fail: vLLM's first specific exception in its log
+    ("ValueError: To serve at least one request ..."), else the log's last lines."""
+    for line in log_text.splitlines():
+        found = _EXCEPTION_LINE.search(line)
+        if found and not any(generic in found.group(2) for generic in _GENERIC_STARTUP_ERRORS):
+            return f"{found.group(1)}: {found.group(2).strip()}"
+    return "\n".join(log_text.splitlines()[-20:])
+
+
+def _log_text(log: IO[str]) -> str:
     log.flush()
     log.seek(0)
-    return log.read()[-4000:]
+    return log.read()
 
 
 def wait_until_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log: IO[str]) -> None:
@@ -66,14 +87,16 @@ def wait_until_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log:
     deadline = time.time() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise EDSDError(f"the vLLM server exited with status {proc.returncode} during start-up:\n{_tail(log)}")
+            raise EDSDError(f"the vLLM server exited with status {proc.returncode} during start-up: "
+                            f"{startup_failure(_log_text(log))}")
         try:
             if requests.get(f"{base}/health", timeout=2).status_code == 200:
                 return
         except (requests.ConnectionError, requests.Timeout):
             pass
         if time.time() > deadline:
-            raise EDSDError(f"the vLLM server was not healthy after {timeout_s:.0f} s:\n{_tail(log)}")
+            last_lines = "\n".join(_log_text(log).splitlines()[-20:])
+            raise EDSDError(f"the vLLM server was not healthy after {timeout_s:.0f} s; its log ends:\n{last_lines}")
         time.sleep(1)
 
 
