@@ -23,6 +23,7 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD
 
 from . import draft_cost
+from .arguments import numbers
 from .offline import CATEGORIES, OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
 from .report import plots, render
 
@@ -172,22 +173,6 @@ def build_setup(args: argparse.Namespace) -> Setup:
         mixed_batch=args.mixed_batch or (4 if quick else 16), ignore_eos=not args.stop_at_eos,
         categories=categories, dtype=args.dtype, seed=args.seed,
     )
-
-
-def numbers(flag: str, text: str, kind: type, least: float, above: bool = False) -> list:
-    """A comma-separated list of ints or floats, each at least ``least`` (above it with
-    ``above``), or one line naming the flag and the value at fault."""
-    values = []
-    for item in text.split(","):
-        try:
-            value = kind(item)
-        except ValueError:
-            value = None
-        if value is None or value != value or value < least or (above and value == least):  # NaN fails too
-            bound = f"above {least}" if above else f"at least {least}"
-            raise EDSDError(f"{flag} takes comma-separated {kind.__name__}s, each {bound}; got {item!r} in {text!r}")
-        values.append(value)
-    return values
 
 
 def default_max_tokens(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
 
+from .arguments import numbers
 from .offline import CATEGORIES, generate, load_prompts
 
 METHODS = ("edsd", "eagle3")
@@ -203,11 +204,11 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
-        sizes = sorted({int(x) for x in args.sizes.split(",")})
-        methods = args.methods.split(",")
-    except ValueError:
-        print(f"--sizes {args.sizes!r}: expected comma-separated integers", file=sys.stderr)
+        sizes = sorted(set(numbers("--sizes", args.sizes, int, 1)))
+    except EDSDError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
+    methods = args.methods.split(",")
     if unknown := sorted(set(methods) - set(METHODS)):
         print(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
@@ -217,8 +218,6 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     try:
-        if sizes[0] < 1:
-            raise EDSDError(f"--sizes must be positive, got {sizes[0]}")
         plan = demo_plan(args, sizes[-1])
         run_pipeline(plan.cfg, stop_after="select")  # the data and EDSelect's layers
         results = {"command": "python -m bench.learning_curve " + " ".join(argv or sys.argv[1:]),

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from vllm_edsd.errors import EDSDError
 
+from .arguments import numbers
+
 DEFAULT_SIZES = "1024,2048,4096,8192,16384,32000"
 
 
@@ -84,14 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_edsd.data import load_conversations
 
     try:
-        sizes = [int(s) for s in args.sizes.split(",")]
+        sizes = numbers("--sizes", args.sizes, int, 1)
+        train = numbers("--train", args.train, int, 1) if args.train else None
         conversations = load_conversations(args.data)
-        train = ([int(s) for s in args.train.split(",")] if args.train
-                 else [len(conversations) - args.held_out])
+        train = train or [len(conversations) - args.held_out]
         rows = coverage_table(args.target, conversations, train, args.held_out, sizes, args.max_length)
-    except ValueError as exc:
-        print(f"error: --sizes and --train take comma-separated integers ({exc})", file=sys.stderr)
-        return 2
     except EDSDError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -53,3 +53,10 @@ def test_bad_split_is_one_clear_error(answered, capsys):
     target, data, count = answered
     assert vocab_coverage.main([target, "--data", data, "--held-out", str(count)]) == 2
     assert "--held-out must leave conversations to train on" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--sizes", "8,x"), ("--train", "0")])
+def test_bad_counts_are_one_clear_error_naming_the_flag(answered, capsys, flag, value):
+    target, data, _ = answered
+    assert vocab_coverage.main([target, "--data", data, "--held-out", "8", flag, value]) == 2
+    assert f"{flag} takes comma-separated ints" in capsys.readouterr().err
