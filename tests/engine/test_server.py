@@ -27,7 +27,7 @@ from conftest import (
 )
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.launch.engine import parse_prometheus_counters
+from vllm_edsd.launch.engine import on_cpu, parse_prometheus_counters
 from vllm_edsd.launch.server import running_server
 
 K = 4
@@ -197,3 +197,5 @@ def test_server_that_fails_to_start_names_vllms_reason(models, tmp_path):
     message = str(err.value)
     assert "during start-up: ValueError:" in message and "memory" in message, message
     assert "Traceback" not in message and "\n" not in message, message
+    if on_cpu():  # the fraction vLLM advises raising is the launcher's there
+        assert "EDSD_CPU_MEMORY_FRACTION" in message, message

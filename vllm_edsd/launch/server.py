@@ -72,6 +72,16 @@ def startup_failure(log_text: str) -> str:
     return "\n".join(log_text.splitlines()[-20:])
 
 
+def with_memory_hint(reason: str) -> str:
+    """vLLM's advice for too little memory ("increase gpu_memory_utilization") names a value
+    the launcher sets on a CPU, so the reason says how to change it."""
+    if "memory" not in reason or not on_cpu():
+        return reason
+    return (f"{reason} (vllm-edsd starts CPU engines with gpu_memory_utilization {CPU_MEMORY_FRACTION} and at "
+            f"most {CPU_MAX_MODEL_LEN} tokens of context; the environment variable EDSD_CPU_MEMORY_FRACTION "
+            "sets another fraction)")
+
+
 def _log_text(log: IO[str]) -> str:
     log.flush()
     log.seek(0)
@@ -88,7 +98,7 @@ def wait_until_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log:
     while True:
         if proc.poll() is not None:
             raise EDSDError(f"the vLLM server exited with status {proc.returncode} during start-up: "
-                            f"{startup_failure(_log_text(log))}")
+                            f"{with_memory_hint(startup_failure(_log_text(log)))}")
         try:
             if requests.get(f"{base}/health", timeout=2).status_code == 200:
                 return
