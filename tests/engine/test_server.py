@@ -27,7 +27,7 @@ from conftest import (
 )
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.launch.engine import on_cpu, parse_prometheus_counters
+from vllm_edsd.launch.engine import make_llm, on_cpu, parse_prometheus_counters
 from vllm_edsd.launch.server import running_server
 
 K = 4
@@ -199,3 +199,13 @@ def test_server_that_fails_to_start_names_vllms_reason(models, tmp_path):
     assert "Traceback" not in message and "\n" not in message, message
     if on_cpu():  # the fraction vLLM advises raising is the launcher's there
         assert "EDSD_CPU_MEMORY_FRACTION" in message, message
+
+
+def test_offline_engine_that_fails_to_start_is_one_error(models):
+    """``LLM(...)`` through the launcher (the demo's ``--offline``, the bench): an engine core
+    that cannot start is the project's error pointing at vLLM's logged reason, which vLLM's own
+    exception ("See root cause above") only refers to."""
+    with pytest.raises(EDSDError, match="vLLM's engine failed to start") as err:
+        make_llm(models["llama"], kv_cache_memory_bytes=4096, dtype="float32", enforce_eager=True)
+    if on_cpu():
+        assert "EDSD_CPU_MEMORY_FRACTION" in str(err.value)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_edsd.errors import EDSDError
+
 CPU_MEMORY_FRACTION = float(os.environ.get("EDSD_CPU_MEMORY_FRACTION", "0.25"))
 # vLLM's CPU worker sizes the KV cache as the fraction above of its NUMA node's memory, less
 # what the worker already holds after warm-up; a VM whose node reports 9 GiB was left 0.32 GiB,
@@ -82,7 +84,23 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
     if on_cpu():
         defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=CPU_MAX_MODEL_LEN, dtype=cpu_dtype())
     defaults.update(kwargs)
-    return LLM(model=target, speculative_config=spec, **defaults)
+    try:
+        return LLM(model=target, speculative_config=spec, **defaults)
+    except RuntimeError as exc:  # the engine core's own error is in the log above, not in this one
+        if "Engine core initialization failed" not in str(exc):
+            raise
+        raise EDSDError(f"vLLM's engine failed to start; its reason is the last ERROR it logged above"
+                        f"{cpu_memory_settings()}") from None
+
+
+def cpu_memory_settings() -> str:
+    """On a CPU, the memory settings engines and servers started here get, and how to change
+    them: vLLM's advice for too little memory names a value the user did not set."""
+    if not on_cpu():
+        return ""
+    return (f" (vllm-edsd starts CPU engines with gpu_memory_utilization {CPU_MEMORY_FRACTION} and at most "
+            f"{CPU_MAX_MODEL_LEN} tokens of context; the environment variable EDSD_CPU_MEMORY_FRACTION sets "
+            "another fraction)")
 
 
 @contextmanager

@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import IO
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.launch.engine import CPU_MAX_MODEL_LEN, CPU_MEMORY_FRACTION, cpu_dtype, on_cpu, use_cpu_workarounds
+from vllm_edsd.launch.engine import (
+    CPU_MAX_MODEL_LEN,
+    CPU_MEMORY_FRACTION,
+    cpu_dtype,
+    cpu_memory_settings,
+    on_cpu,
+    use_cpu_workarounds,
+)
 
 
 def free_port() -> int:
@@ -73,13 +80,8 @@ def startup_failure(log_text: str) -> str:
 
 
 def with_memory_hint(reason: str) -> str:
-    """vLLM's advice for too little memory ("increase gpu_memory_utilization") names a value
-    the launcher sets on a CPU, so the reason says how to change it."""
-    if "memory" not in reason or not on_cpu():
-        return reason
-    return (f"{reason} (vllm-edsd starts CPU engines with gpu_memory_utilization {CPU_MEMORY_FRACTION} and at "
-            f"most {CPU_MAX_MODEL_LEN} tokens of context; the environment variable EDSD_CPU_MEMORY_FRACTION "
-            "sets another fraction)")
+    """A start-up that failed for memory also says the launcher's own memory settings."""
+    return f"{reason}{cpu_memory_settings()}" if "memory" in reason else reason
 
 
 def _log_text(log: IO[str]) -> str:
