@@ -89,7 +89,7 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
     except RuntimeError as exc:  # the engine core's own error is in the log above, not in this one
         if "Engine core initialization failed" not in str(exc):
             raise
-        raise EDSDError(f"vLLM's engine failed to start; its reason is the last ERROR it logged above"
+        raise EDSDError(f"vLLM's engine failed to start; the engine core logged its reason above (its ERROR lines)"
                         f"{cpu_memory_settings()}") from None
 
 
