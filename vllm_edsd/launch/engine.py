@@ -22,6 +22,8 @@ CPU_MEMORY_FRACTION = float(os.environ.get("EDSD_CPU_MEMORY_FRACTION", "0.25"))
 # less than one 8,192-token sequence of the demo target needs. Engines started here on a CPU
 # hold at most this many tokens per sequence (docs/known-issues.md).
 CPU_MAX_MODEL_LEN = 2048
+# vLLM's exception when an engine core did not start: it only refers to the core's logged reason.
+ENGINE_START_FAILED = "Engine core initialization failed"
 
 
 def on_cpu() -> bool:
@@ -87,7 +89,7 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
     try:
         return LLM(model=target, speculative_config=spec, **defaults)
     except RuntimeError as exc:  # the engine core's own error is in the log above, not in this one
-        if "Engine core initialization failed" not in str(exc):
+        if ENGINE_START_FAILED not in str(exc):
             raise
         raise EDSDError(f"vLLM's engine failed to start; the engine core logged its reason above (its ERROR lines)"
                         f"{cpu_memory_settings()}") from None

@@ -27,6 +27,7 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import (
     CPU_MAX_MODEL_LEN,
     CPU_MEMORY_FRACTION,
+    ENGINE_START_FAILED,
     cpu_dtype,
     cpu_memory_settings,
     on_cpu,
@@ -62,7 +63,7 @@ def server_command(target: str, spec: dict | None, port: int, extra_args: list[s
 
 
 # vLLM's final exception after a failed start-up only points back at the engine's own error.
-_GENERIC_STARTUP_ERRORS = ("Engine core initialization failed", "Worker failed", "Engine process failed")
+_GENERIC_STARTUP_ERRORS = (ENGINE_START_FAILED, "Worker failed", "Engine process failed")
 # A traceback's last line, bare or behind a process prefix and vLLM's ERROR log header.
 _EXCEPTION_LINE = re.compile(
     r"^(?:\(.*?\)\s+)?(?:ERROR \S+ \S+ \[[^\]]*\]\s+)?([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$"
@@ -76,7 +77,11 @@ def startup_failure(log_text: str) -> str:
         found = _EXCEPTION_LINE.search(line)
         if found and not any(generic in found.group(2) for generic in _GENERIC_STARTUP_ERRORS):
             return f"{found.group(1)}: {found.group(2).strip()}"
-    return "\n".join(log_text.splitlines()[-20:])
+    return _last_lines(log_text)
+
+
+def _last_lines(log_text: str, count: int = 20) -> str:
+    return "\n".join(log_text.splitlines()[-count:])
 
 
 def with_memory_hint(reason: str) -> str:
@@ -107,8 +112,8 @@ def wait_until_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log:
         except (requests.ConnectionError, requests.Timeout):
             pass
         if time.time() > deadline:
-            last_lines = "\n".join(_log_text(log).splitlines()[-20:])
-            raise EDSDError(f"the vLLM server was not healthy after {timeout_s:.0f} s; its log ends:\n{last_lines}")
+            raise EDSDError(f"the vLLM server was not healthy after {timeout_s:.0f} s; its log ends:\n"
+                            f"{_last_lines(_log_text(log))}")
         time.sleep(1)
 
 
