@@ -53,6 +53,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--prompts-per-category", type=int, default=4, help="held-out prompts per bench category (default 4)")
     add("--max-tokens", type=int, default=128, help="tokens generated per held-out prompt (default 128)")
     add("--device", default="cpu", help="where the drafters train (default cpu)")
+    add("--feature-layers", default=None,
+        help="the target layers whose features are extracted and cached for every point (default: EDSelect's "
+             "and EAGLE-3's); a superset of every ablation's --layers lets them all share one extraction")
     add("--train-extra", default="", help="more `edsd train` arguments for every point, an ablation "
                                          "(e.g. --train-extra='--feature-noise 0.2'); its runs are kept apart")
     return parser.parse_args(argv)
@@ -75,8 +78,9 @@ def demo_plan(args: argparse.Namespace, largest: int):
     return Plan(load_config(build.PIPELINE, build.demo_overrides(flags, demo_target())))
 
 
-def train_point(plan, method: str, size: int, extra: list[str]) -> Path:
-    """The drafter trained on the first ``size`` conversations, in a layout vLLM serves."""
+def train_point(plan, method: str, size: int, extra: list[str], feature_layers: str | None = None) -> Path:
+    """The drafter trained on the first ``size`` conversations, in a layout vLLM serves, from
+    the features of ``feature_layers`` (default: the plan's)."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
     from vllm_edsd.pipeline import run_command
 
@@ -84,7 +88,10 @@ def train_point(plan, method: str, size: int, extra: list[str]) -> Path:
     # another data set or another ablation is another run
     run = plan.work / "curve" / plan.data().stem / (f"{method}-{size}" + (f"-{variant}" if variant else ""))
     if not finished_checkpoint(run / "final"):
-        run_command([*own_layers(plan.train_argv(method, run), extra), "--max-samples", str(size),
+        argv = own_layers(plan.train_argv(method, run), extra)
+        if feature_layers:
+            argv[argv.index("--feature-layers") + 1] = feature_layers
+        run_command([*argv, "--max-samples", str(size),
                      "--save-every", str(SAVE_EVERY), *extra])
     if method == "eagle3":
         return run / "final"
@@ -130,7 +137,7 @@ def measure(drafter: Path, method: str, plan, args: argparse.Namespace) -> dict:
 
 def point(plan, method: str, size: int, args: argparse.Namespace) -> dict:
     """One point of the curve: train (or reuse) the drafter, then measure it."""
-    drafter = train_point(plan, method, size, args.train_extra.split())
+    drafter = train_point(plan, method, size, args.train_extra.split(), args.feature_layers)
     log = [json.loads(line) for line in (drafter.parent / "train_log.jsonl").read_text().splitlines()]
     return {"method": method, "variant": args.train_extra, "conversations": size,
             "positions": log[-1]["positions_trained"],

@@ -86,7 +86,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, Any]]] = {
     "layers": {"edsd": (list[int], None), "eagle3": (list[int], None), "select_samples": (int, 128),
                "select_max_length": (int, 512)},
     "train": {"methods": (list[str], ["edsd"]), "epochs": (int, None), "ttt_steps": (int, None),
-              "lr": (float, None), "batch_size": (int, None), "draft_vocab_size": (int, None),
+              "lr": (float, None), "lr_schedule": (str, None), "warmup": (float, None),
+              "weight_decay": (float, None), "batch_size": (int, None), "draft_vocab_size": (int, None),
               "max_length": (int, None), "max_samples": (int, None), "seed": (int, None), "device": (str, None),
               "feature_noise": (float, None), "save_every": (int, None)},
     "output": {"work": (str, REQUIRED), "dtype": (str, None), "convert": (bool, True)},
@@ -269,8 +270,8 @@ def flags(values: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
     return [arg for key in keys if values[key] is not None for arg in (f"--{key.replace('_', '-')}", str(values[key]))]
 
 
-BUDGET = ("epochs", "ttt_steps", "lr", "batch_size", "draft_vocab_size", "max_length", "max_samples", "seed",
-          "device", "feature_noise", "save_every")
+BUDGET = ("epochs", "ttt_steps", "lr", "lr_schedule", "warmup", "weight_decay", "batch_size", "draft_vocab_size",
+          "max_length", "max_samples", "seed", "device", "feature_noise", "save_every")
 
 
 class Plan:

@@ -134,9 +134,11 @@ def one_process(setup) -> dict[str, torch.Tensor]:
     generators = [torch.Generator().manual_seed(job.recipe.seed + rank) for rank in range(RANKS)]
     steps = min(count_batches(job.shards[rank::RANKS], b) for rank in range(RANKS))
     for epoch in range(job.recipe.epochs):
-        for batch in epoch_batches(job.shards, b, generators, job.columns, list(range(RANKS)), RANKS, steps):
+        for i, batch in enumerate(epoch_batches(job.shards, b, generators, job.columns, list(range(RANKS)), RANKS,
+                                                steps)):
             assert batch["input_ids"].shape[0] == RANKS * b
-            fitter.step(batch, job.recipe.steps(epoch), job.recipe.percent(epoch))
+            lr = job.recipe.learning_rate(epoch * steps + i, job.recipe.epochs * steps)
+            fitter.step(batch, job.recipe.steps(epoch), job.recipe.percent(epoch), lr)
     job.model.save_pretrained(out)
     return load_file(out / "model.safetensors")
 

@@ -188,7 +188,8 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     pairs = dict(zip(argv[2::2], argv[3::2]))
     assert argv[:2] == ["train", str(toy["target"])] and pairs == {
         "--out": str(tmp_path / "edsd"), "--method": "edsd", "--layers-from": str(tmp_path / "layers.json"),
-        "--data": data, "--epochs": "2", "--ttt-steps": "4", "--lr": "0.001", "--draft-vocab-size": "4096",
+        "--data": data, "--epochs": "2", "--ttt-steps": "4", "--lr": "0.001", "--lr-schedule": "constant",
+        "--weight-decay": "0.01", "--draft-vocab-size": "4096",
         "--max-length": "448", "--batch-size": "8", "--seed": "0", "--device": "cpu", "--save-every": "100",
         "--cache": str(tmp_path / "cache"), "--feature-layers": "1,2,3"}
     assert "--layers-from" not in plan.train_argv("eagle3")

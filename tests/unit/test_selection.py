@@ -42,10 +42,47 @@ def test_lidar_is_the_effective_rank_of_class_separation():
 
 
 def test_select_layers_rule():
-    scores = {1: {"curvature": 0.1, "lidar": 5}, 2: {"curvature": 0.9, "lidar": 7}, 3: {"curvature": 0.5, "lidar": 6}}
-    assert selection.select_layers(scores) == (2, 3, {"curvature": 2, "lidar": 3})  # same best: next by LiDAR
-    scores[1]["lidar"] = 9
-    assert selection.select_layers(scores) == (1, 2, {"curvature": 2, "lidar": 1})
+    """Curvature picks the middle layer, LiDAR the high one, each from its range, whatever the
+    other metric says; below 4 layers, the two maxima over every layer."""
+    n = 12  # ranges: curvature 2..8, lidar 9..11
+    scores = {l: {"curvature": 0.0, "lidar": 0.0} for l in range(1, n + 1)}
+    scores[1]["lidar"] = scores[1]["curvature"] = 99  # the layer next to the embeddings: never chosen
+    scores[12]["lidar"] = 98  # the last layer's output, not a layer input: never chosen
+    scores[5]["curvature"], scores[10]["lidar"] = 1.0, 1.0
+    scores[10]["curvature"], scores[5]["lidar"] = 50.0, 50.0  # each outside the other metric's range
+    assert selection.select_layers(scores, n) == (5, 10, {"curvature": 5, "lidar": 10})
+    shallow = {1: {"curvature": 0.1, "lidar": 5}, 2: {"curvature": 0.9, "lidar": 7}, 3: {"curvature": 0.5, "lidar": 6}}
+    assert selection.select_layers(shallow, 3) == (2, 3, {"curvature": 2, "lidar": 3})  # same best: next by LiDAR
+    shallow[1]["lidar"] = 9
+    assert selection.select_layers(shallow, 3) == (1, 2, {"curvature": 2, "lidar": 1})
+
+
+def test_every_pick_of_the_paper_lies_in_its_metrics_range():
+    for model, (layers, curvature, lidar) in selection.PAPER_PICKS.items():
+        ranges = selection.role_ranges(layers)
+        assert curvature in ranges["curvature"] and lidar in ranges["lidar"], model
+
+
+def test_edselect_finds_the_straight_middle_layer_and_the_separable_high_layer():
+    """Features built so that one middle layer has the straightest trajectories and one high
+    layer the most class-separable pooled representations: EDSelect must pick exactly those."""
+    n, d, classes, copies, tokens = 8, 12, 24, 4, 16  # ranges: curvature 2..5, lidar 6..7
+    straight_layer, separable_layer = 4, 7
+    stats = {layer: selection.LayerStatistics(d, 256) for layer in range(1, n + 1)}
+    centres = torch.randn(classes, d, generator=G)
+    for c in range(classes):
+        for layer, stat in stats.items():
+            walk = torch.randn(1 + copies, tokens, d, generator=G).cumsum(1)  # angle about pi/2
+            if layer == straight_layer:  # nearly a line: angle near 0
+                walk = torch.linspace(0, 1, tokens)[None, :, None] * centres[c] + 0.01 * walk
+            if layer == separable_layer:  # copies close to their class's centre
+                walk = 0.05 * walk + 10 * centres[c]
+            stat.add(walk, torch.arange(tokens))
+    scores = {layer: stat.scores() for layer, stat in stats.items()}
+    assert max(scores, key=lambda l: scores[l]["curvature"]) == straight_layer
+    assert max(range(6, 8), key=lambda l: scores[l]["lidar"]) == separable_layer
+    assert selection.select_layers(scores, n) == (straight_layer, separable_layer,
+                                                  {"curvature": straight_layer, "lidar": separable_layer})
 
 
 def test_select_command(models, tmp_path, capsys):

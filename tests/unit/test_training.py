@@ -21,7 +21,7 @@ from vllm_edsd.cli import main
 from vllm_edsd.model.edsd import EDSDDraftModel, KeyValueSteps
 from vllm_edsd.target.hidden_states import token_entropy
 from vllm_edsd.training.schedule import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
-from vllm_edsd.training.trainer import ttt_loss
+from vllm_edsd.training.trainer import Recipe, ttt_loss
 from vllm_edsd.training.vocab import build_vocab_mapping
 
 
@@ -46,6 +46,24 @@ def test_specforge_reading_is_its_code():
         assert [SPECFORGE.ttt_steps(t, epochs, s_max) for t in range(epochs)] == ceil_eq6
     assert [SPECFORGE.ttt_steps(t, 8, 7) for t in range(8)] == [1, 2, 3, 4, 5, 6, 7, 7]
     assert SPECFORGE.mask_percent(0, 30) == 40.0  # the cap; the paper's reading would mask 87 %
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    """SpecForge's schedule: linear warm-up over ceil(1.5 %) of the steps, then cosine to 0."""
+    recipe = Recipe(lr=1e-3)
+    total = 1000
+    rates = [recipe.learning_rate(step, total) for step in range(total)]
+    warm = math.ceil(0.015 * total)
+    assert rates[:warm] == pytest.approx([1e-3 * (s + 1) / warm for s in range(warm)])
+    assert max(rates) == pytest.approx(1e-3) and rates.index(max(rates)) == warm - 1
+    assert rates[warm] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(rates[warm:], rates[warm + 1:])), "decays monotonically"
+    middle = warm + (total - warm) // 2
+    assert rates[middle] == pytest.approx(0.5e-3, rel=1e-2)
+    assert rates[-1] < 1e-3 * 1e-4
+    assert Recipe(lr=1e-3, warmup=0.0).learning_rate(0, total) == pytest.approx(1e-3)
+    constant = Recipe(lr=2e-4, lr_schedule="constant")
+    assert {constant.learning_rate(step, total) for step in (0, 500, 999)} == {2e-4}
 
 
 def test_entropy_mask_drops_the_most_uncertain_loss_positions():
@@ -319,7 +337,9 @@ def test_bad_training_arguments(models, chat_data, tmp_path, capsys):
     for flag, value, expected in [("--draft-vocab-size", "0", "--draft-vocab-size must be in 1..512"),
                                   ("--draft-vocab-size", "513", "--draft-vocab-size must be in 1..512"),
                                   ("--epochs", "0", "--epochs must be a positive integer"),
-                                  ("--lr", "-1", "--lr must be positive")]:
+                                  ("--lr", "-1", "--lr must be positive"),
+                                  ("--warmup", "1", "--warmup is a fraction of the optimizer steps"),
+                                  ("--weight-decay", "-0.1", "--weight-decay must be 0 or more")]:
         assert train(models, chat_data, tmp_path / "x", "--layers", "1,3", flag, value) == 2
         assert expected in capsys.readouterr().err
     assert not (tmp_path / "x").exists(), "a refused run wrote nothing"

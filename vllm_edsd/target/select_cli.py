@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if len(sequences) < 2:
         raise EDSDError(f"only {len(sequences)} calibration samples of at least 4 tokens; need 2 or more")
     scores = score_layers(model, sequences, args.seed, args.device)
-    a, b, chosen = selection.select_layers(scores)
+    num_layers = len(decoder_of(model).layers)
+    a, b, chosen = selection.select_layers(scores, num_layers)
+    ranges = selection.role_ranges(num_layers)
     result = {
         "target": Path(args.target).resolve().name,  # descriptive: no directory of this machine
         "fingerprint": vars(fingerprint(model)),
@@ -127,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "aux_layer_ids": [a, b],
         "aux_layer_id_convention": LAYER_INPUT,
         "chosen_by": chosen,
+        "chosen_from": {metric: [r.start, r.stop - 1] for metric, r in ranges.items()} if ranges else "every layer",
     }
     replace_file(args.out, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
     if args.plot:

@@ -15,8 +15,15 @@ in float64 on the non-padding tokens of a calibration set:
   class means, Σ_w = mean within-class covariance, Σ_lda = (Σ_w + δI)^(-1/2) Σ_b (Σ_w + δI)^(-1/2)
   with δ = 1e-4 · tr(Σ_w)/D + 1e-8; LiDAR = exp(−Σ p log p), p = λ(Σ_lda)/Σλ (effective rank).
 
-The drafter reads the layer with the highest Curvature and the layer with the highest LiDAR;
-if they coincide, the second layer is the next best by LiDAR.
+Which score picks which layer (the paper's appendix A.1): EDSelect replaces EAGLE-3's middle and
+high layers by the layers that maximise Curvature and LiDAR respectively. So LiDAR picks the
+**high** layer, its maximum over the top quarter of the decoder-layer inputs (ids ⌈3N/4⌉..N−1),
+and Curvature the **middle** one, its maximum over ids 2..⌈3N/4⌉−1 (the layer next to the
+embeddings, id 1, is left out: the paper's Table 6 shows that a low layer hurts EDSD). Every pick
+of the paper's Table 15 lies in these ranges (``PAPER_PICKS``); the ranges keep this estimator's
+LiDAR, whose maximum on small targets is id 1 (docs/paper.md, "EDSelect"), from choosing a layer
+the paper never chose. Targets with fewer than 4 layers have no such ranges: there the two
+maxima over all ids are taken (if they coincide, the second layer is the next best by LiDAR).
 """
 
 from __future__ import annotations
@@ -147,11 +154,29 @@ def perturb(ids: torch.Tensor, vocab_size: int, generator: torch.Generator, rate
     return out
 
 
-def select_layers(scores: dict[int, dict[str, float]]) -> tuple[int, int, dict[str, int]]:
+# Table 15 of the paper: decoder layers N, then the layers EDSelect chose (vLLM's convention),
+# Curvature's (the middle layer) first.
+PAPER_PICKS = {"Llama-3.1-8B": (32, 16, 29), "DeepSeek-R1-Distill-Llama-8B": (32, 16, 30), "Qwen3-8B": (36, 24, 35),
+               "Llama-3.3-70B": (80, 14, 79), "Qwen3-30B-A3B": (48, 13, 45)}
+
+
+def role_ranges(num_layers: int) -> dict[str, range] | None:
+    """The ids each metric chooses from in a target of ``num_layers`` decoder layers: Curvature
+    the middle layer, LiDAR the high one; None where the target is too shallow for both."""
+    high = math.ceil(3 * num_layers / 4)
+    ranges = {"curvature": range(2, high), "lidar": range(high, num_layers)}
+    return ranges if all(ranges.values()) else None
+
+
+def select_layers(scores: dict[int, dict[str, float]], num_layers: int) -> tuple[int, int, dict[str, int]]:
     """(layer a, layer b, which metric chose which), ids ascending."""
-    by_lidar = sorted(scores, key=lambda l: (-scores[l]["lidar"], l))
-    by_curvature = sorted(scores, key=lambda l: (-scores[l]["curvature"], l))
-    curvature_layer = by_curvature[0]
-    lidar_layer = next(l for l in by_lidar if l != curvature_layer)
+    ranges = role_ranges(num_layers)
+    if ranges is None:
+        by_lidar = sorted(scores, key=lambda l: (-scores[l]["lidar"], l))
+        curvature_layer = max(sorted(scores), key=lambda l: scores[l]["curvature"])
+        lidar_layer = next(l for l in by_lidar if l != curvature_layer)
+    else:
+        curvature_layer = max(ranges["curvature"], key=lambda l: scores[l]["curvature"])
+        lidar_layer = max(ranges["lidar"], key=lambda l: scores[l]["lidar"])
     a, b = sorted((curvature_layer, lidar_layer))
     return a, b, {"curvature": curvature_layer, "lidar": lidar_layer}

@@ -45,7 +45,7 @@ from .features import (
     tokenize_conversations,
 )
 from .schedule import READINGS
-from .trainer import Recipe, train
+from .trainer import LR_SCHEDULES, Recipe, train
 from .vocab import answer_token_counts, build_vocab_mapping
 
 EPILOG = """\
@@ -89,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Gaussian noise on the target features while training, relative to each layer's RMS "
                              "(a regulariser; default 0: none)")
     parser.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5, the paper's)")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+                        help="cosine: linear warm-up over --warmup of the optimizer steps, then cosine decay to 0 "
+                             "(SpecForge's, which trained the paper's drafters; the default); constant: --lr "
+                             "throughout")
+    parser.add_argument("--warmup", type=float, default=0.015,
+                        help="fraction of the optimizer steps warmed up under --lr-schedule cosine (default 0.015)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0, SpecForge's)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--save-every", type=int, default=0, metavar="N",
                         help="also save the training state every N batches, so that an interrupted epoch resumes "
@@ -207,6 +214,11 @@ def check_numbers(args: argparse.Namespace, vocab: int) -> None:
                         f"got {args.save_every}")
     if not args.lr > 0:
         raise EDSDError(f"--lr must be positive, got {args.lr}")
+    if not 0 <= args.warmup < 1:
+        raise EDSDError(f"--warmup is a fraction of the optimizer steps, from 0 up to (not including) 1, "
+                        f"got {args.warmup}")
+    if not args.weight_decay >= 0:
+        raise EDSDError(f"--weight-decay must be 0 or more, got {args.weight_decay}")
     if not 0 <= args.feature_noise < 10:
         raise EDSDError(f"--feature-noise is relative to the features' RMS: 0 (none) up to 10, "
                         f"got {args.feature_noise}")
@@ -432,7 +444,8 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
                     reading=args.edtrain_reading, gamma=args.gamma,
                     mask_p=args.method == "edsd" and not args.no_mask_p,
                     step_n=args.method == "edsd" and not args.no_step_n,
-                    lr=args.lr, batch_size=args.batch_size, seed=args.seed, feature_noise=args.feature_noise)
+                    lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup, weight_decay=args.weight_decay,
+                    batch_size=args.batch_size, seed=args.seed, feature_noise=args.feature_noise)
     if world.main:
         if skipped:
             print(f"skipped {skipped} of {read} conversations: the chat template does not render "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,9 @@ from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
 STEP_WEIGHT = 0.8
 STATE_FILE = "training_state.pt"
+LR_SCHEDULES = ("cosine", "constant")
+# What a saved state that predates a recipe field trained with (the field's default may differ).
+EARLIER_RECIPE = {"lr_schedule": "constant", "warmup": 0.0, "weight_decay": 0.01}
 LOG_FILE = "train_log.jsonl"
 
 
@@ -53,6 +57,9 @@ class Recipe:
     mask_p: bool = True
     step_n: bool = True
     lr: float = 5e-5
+    lr_schedule: str = "cosine"  # "cosine": linear warm-up, then cosine decay to 0 (SpecForge); or "constant"
+    warmup: float = 0.015  # fraction of the optimizer steps warmed up (SpecForge's 1.5 %)
+    weight_decay: float = 0.0  # AdamW's (SpecForge's 0; torch's default would be 0.01)
     batch_size: int = 4
     grad_clip: float = 0.5
     seed: int = 0
@@ -60,6 +67,15 @@ class Recipe:
 
     def percent(self, epoch: int) -> float:
         return READINGS[self.reading].mask_percent(epoch, self.epochs, self.gamma) if self.mask_p else 0.0
+
+    def learning_rate(self, step: int, total: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based) of ``total``."""
+        if self.lr_schedule == "constant":
+            return self.lr
+        warm = math.ceil(self.warmup * total)
+        if step < warm:
+            return self.lr * (step + 1) / warm
+        return self.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
     def steps(self, epoch: int) -> int:
         return (
@@ -206,12 +222,15 @@ class Fitter:
             self.full_model = copy.deepcopy(model) if world.main else None  # unsharded, in host memory
             shard_drafter(model, world)
         self.trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP's: this rank's shards
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=recipe.lr, betas=(0.9, 0.95))
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=recipe.lr, betas=(0.9, 0.95),
+                                           weight_decay=recipe.weight_decay)
         loss = _Loss(model, draft_head, recipe, world)
         self.loss = DistributedDataParallel(loss) if world.data_parallel == DDP else loss
 
-    def step(self, batch: dict[str, torch.Tensor], steps: int, percent: float) -> BatchResult:
+    def step(self, batch: dict[str, torch.Tensor], steps: int, percent: float, lr: float) -> BatchResult:
         result = self.loss(batch, steps, percent)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.zero_grad()
         result.loss.backward()
         # FSDP's sharded gradients are DTensors: their norm is the whole drafter's
@@ -308,7 +327,7 @@ def _resume(state_path: Path, fitter: Fitter, generator: torch.Generator, world:
     state, recipe = _read_state(state_path), fitter.recipe
     _check_parallelism(state, state_path.parent, world)
     defaults = {name: f.default for name, f in Recipe.__dataclass_fields__.items()}
-    if {**defaults, **state["recipe"]} != asdict(recipe):  # a field added since: its default
+    if {**defaults, **EARLIER_RECIPE, **state["recipe"]} != asdict(recipe):  # a field added since: as trained
         raise EDSDError(f"{state_path.parent}: holds an interrupted run with a different recipe; use another --out")
     fitter.load_full_state(state)
     own = state["ranks"][world.rank] if world.size > 1 else state
@@ -403,7 +422,8 @@ def train(
                 if world.main:
                     _write_state(state_path, {**state, "wall_s": time.time() - started})
 
-        entry = _run_epoch(fitter, batches, epoch, world, skip, sums, save)
+        entry = _run_epoch(fitter, batches, epoch, world, skip, sums, save, first_step=epoch * epoch_length,
+                           total_steps=recipe.epochs * epoch_length)
         log.append({**entry, "wall_s": time.time() - started})
         state = _gathered_state(fitter, world, epoch, log, generator.get_state())
         if world.main:  # the checkpoint first: a state never says an epoch is done without it
@@ -421,17 +441,20 @@ def train(
 def _run_epoch(
     fitter: Fitter, batches: Iterator[dict[str, torch.Tensor]], epoch: int, world: World, skipped: int = 0,
     sums: dict | None = None, after_batch: Callable[[int, dict], None] = lambda done, sums: None,
+    first_step: int = 0, total_steps: int = 1,
 ) -> dict:
     """Train on one epoch's ``batches`` (the first ``skipped`` already trained, with ``sums``),
     calling ``after_batch(batches done, sums)`` after each; the epoch's log entry (over every
-    rank), less its time."""
+    rank), less its time. The epoch's first batch is optimizer step ``first_step`` of
+    ``total_steps`` (the learning-rate schedule's clock)."""
     recipe = fitter.recipe
     percent, steps = recipe.percent(epoch), recipe.steps(epoch)
     sums = sums or {"loss": 0.0, "batches": 0, "acc": [0.0] * steps, "masked": 0, "eligible": 0, "counted": 0}
     bar = tqdm(batches, desc=f"epoch {epoch + 1}/{recipe.epochs}", unit="batch", initial=skipped,
                disable=not world.main)
     for done, batch in enumerate(bar, start=skipped + 1):
-        result = fitter.step(batch, steps, percent)
+        lr = recipe.learning_rate(first_step + done - 1, total_steps)
+        result = fitter.step(batch, steps, percent, lr)
         sums["loss"] += result.loss.item()
         sums["batches"] += 1
         sums["acc"] = [a + b for a, b in zip(sums["acc"], result.step_acc)]
