@@ -54,8 +54,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--max-tokens", type=int, default=128, help="tokens generated per held-out prompt (default 128)")
     add("--device", default="cpu", help="where the drafters train (default cpu)")
     add("--feature-layers", default=None,
-        help="the target layers whose features are extracted and cached for every point (default: EDSelect's "
-             "and EAGLE-3's); a superset of every ablation's --layers lets them all share one extraction")
+        help="more target layers whose features are extracted and cached for every point, besides EDSelect's "
+             "and EAGLE-3's: every ablation's --layers among them lets all rows share one extraction")
     add("--train-extra", default="", help="more `edsd train` arguments for every point, an ablation "
                                          "(e.g. --train-extra='--feature-noise 0.2'); its runs are kept apart")
     return parser.parse_args(argv)
@@ -80,7 +80,7 @@ def demo_plan(args: argparse.Namespace, largest: int):
 
 def train_point(plan, method: str, size: int, extra: list[str], feature_layers: str | None = None) -> Path:
     """The drafter trained on the first ``size`` conversations, in a layout vLLM serves, from
-    the features of ``feature_layers`` (default: the plan's)."""
+    the features of the plan's layers and ``feature_layers`` (comma-separated ids)."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
     from vllm_edsd.pipeline import run_command
 
@@ -90,7 +90,9 @@ def train_point(plan, method: str, size: int, extra: list[str], feature_layers: 
     if not finished_checkpoint(run / "final"):
         argv = own_layers(plan.train_argv(method, run), extra)
         if feature_layers:
-            argv[argv.index("--feature-layers") + 1] = feature_layers
+            at = argv.index("--feature-layers") + 1
+            argv[at] = ",".join(map(str, sorted({*numbers("--feature-layers", feature_layers, int, 0),
+                                                 *map(int, argv[at].split(","))})))
         run_command([*argv, "--max-samples", str(size),
                      "--save-every", str(SAVE_EVERY), *extra])
     if method == "eagle3":
@@ -132,7 +134,8 @@ def measure(drafter: Path, method: str, plan, args: argparse.Namespace) -> dict:
     with llm_session(plan.target, spec, **ACCEPTANCE_CHECK["llm_kwargs"]) as llm:
         result = generate(llm, held_out, 0.0, args.max_tokens, one_at_a_time=False)
         seen = generate(llm, seen_prompts(plan, len(held_out)), 0.0, args.max_tokens, one_at_a_time=False)
-    return {**{key: result[key] for key in ("tau", "acceptance_per_pos", "drafts", "dtype")}, "tau_seen": seen["tau"]}
+    kept = ("tau", "tau_sequence", "acceptance_per_pos", "drafts", "dtype")
+    return {**{key: result[key] for key in kept}, "tau_seen": seen["tau"]}
 
 
 def point(plan, method: str, size: int, args: argparse.Namespace) -> dict:
@@ -176,12 +179,13 @@ def render(results: dict) -> str:
              f"{rows[0]['dtype']}.  ",
              f"Held out: {results['held_out']}.  ",
              f"Seen: {results.get('seen', 'not measured')}.", "",
-             "| method | conversations | positions | τ | acceptance per position | τ on seen prompts "
+             "| method | conversations | positions | τ | τ (sequence) | acceptance per position | τ on seen prompts "
              "| train acc (last epoch) | training wall time |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["method"] + (f" `{r['variant']}`" if r.get("variant") else "")
-        lines.append(f"| {name} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | "
+        sequence = f"{r['tau_sequence']:.3f}" if r.get("tau_sequence") else "-"
+        lines.append(f"| {name} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | {sequence} | "
                      + " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
                      + (f" | {r['tau_seen']:.3f}" if "tau_seen" in r else " | -")
                      + f" | {r['train_acc_per_step'][0]:.2f} | {r['train_wall_s'] / 60:.1f} min |")
@@ -212,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         sizes = sorted(set(numbers("--sizes", args.sizes, int, 1)))
+        if args.feature_layers is not None:
+            numbers("--feature-layers", args.feature_layers, int, 0)
     except EDSDError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

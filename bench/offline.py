@@ -118,6 +118,15 @@ def engine(setup: Setup, method: str, k: int):
                        seed=setup.seed, **({"dtype": setup.dtype} if setup.dtype else {}))
 
 
+def sequence_tau(output_tokens: int, accepted: int) -> float | None:
+    """Whole-sequence τ: output tokens per target forward of a request. Every forward (the
+    prefill's included) gives one token of the target's own plus the drafts it accepted, so the
+    forwards are ``output_tokens - accepted``. Unlike τ per draft (1 + accepted / drafts), it
+    counts the steps that drafted nothing, so a method that drafts only sometimes (``ngram``) is
+    compared with the others on the same terms; without speculation it is 1."""
+    return output_tokens / (output_tokens - accepted) if output_tokens > accepted else None
+
+
 def generate(llm, conversations: list[list[dict]], temperature: float, max_tokens: int, one_at_a_time: bool,
              ignore_eos: bool = True) -> dict:
     """Output tokens/s and the spec-decode counters over these conversations."""
@@ -141,6 +150,7 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
         "elapsed_s": elapsed,
         "output_tokens_per_s": tokens / elapsed,
         "tau": counters.mean_acceptance_length,
+        "tau_sequence": sequence_tau(tokens, counters.accepted),
         "acceptance_per_pos": counters.acceptance_per_position,
         "drafts": counters.drafts,
         "draft_tokens": counters.draft_tokens,

@@ -98,6 +98,7 @@ def render(results: dict) -> str:
                     "category",
                     "dtype",
                     "τ",
+                    "τ (sequence)",
                     "acceptance per position",
                     "draft len",
                     "tok/s",
@@ -112,6 +113,7 @@ def render(results: dict) -> str:
                         r["category"],
                         _dtype(r),
                         _fmt(r["tau"]),
+                        _fmt(r.get("tau_sequence")),
                         " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]),
                         _fmt(r.get("mean_draft_length")),
                         _fmt(r["output_tokens_per_s"], ".1f"),
@@ -127,7 +129,8 @@ def render(results: dict) -> str:
         out.append("\n## Throughput vs batch size (chain drafting)\n")
         out.append(
             _table(
-                ["method", "K", "T", "batch", "dtype", "tok/s", "speed-up", "τ", "draft len", "same replies"],
+                ["method", "K", "T", "batch", "dtype", "tok/s", "speed-up", "τ", "τ (sequence)", "draft len",
+                 "same replies"],
                 [
                     [
                         r["method"],
@@ -138,6 +141,7 @@ def render(results: dict) -> str:
                         _fmt(r["output_tokens_per_s"], ".1f"),
                         _fmt(r["speedup"]),
                         _fmt(r["tau"]),
+                        _fmt(r.get("tau_sequence")),
                         _fmt(r.get("mean_draft_length")),
                         _same_replies(r),
                     ]

@@ -127,12 +127,13 @@ def test_learning_curve_report_and_plot(tmp_path):
                "train_wall_s": 60.0 * n / 64, "train_acc_per_step": [0.5, 0.4], "tau_seen": 1.5 + n / 1000}
               for m in ("eagle3", "edsd") for n in (64, 720)]
     points[0].pop("tau_seen")  # a point measured before the seen prompts were
+    points[3]["tau_sequence"] = 1.9
     results = {"command": "python -m bench.learning_curve --out x", "machine": machine, "k": 4,
                "held_out": "the bench's prompts", "seen": "the first 20 training prompts", "points": points}
     table = render(results)
     assert "CPU X (avx2), 2 cores" in table and "target served in bfloat16" in table
-    assert "| edsd | 720 | 108,000 | 2.020 | 0.20 / 0.05 / 0.01 / 0.00 | 2.220 | 0.50 | 11.2 min |" in table
-    assert "| eagle3 | 64 | 9,600 | 1.264 | 0.20 / 0.05 / 0.01 / 0.00 | - | 0.50 | 1.0 min |" in table
+    assert "| edsd | 720 | 108,000 | 2.020 | 1.900 | 0.20 / 0.05 / 0.01 / 0.00 | 2.220 | 0.50 | 11.2 min |" in table
+    assert "| eagle3 | 64 | 9,600 | 1.264 | - | 0.20 / 0.05 / 0.01 / 0.00 | - | 0.50 | 1.0 min |" in table
     assert "Seen: the first 20 training prompts." in table and table.count("| eagle3 |") == 2
     plot(results, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
@@ -140,12 +141,24 @@ def test_learning_curve_report_and_plot(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [(["--sizes", "64,x"], "--sizes takes comma-separated ints, each at least 1"),
                                            (["--methods", "edsd,medusa"], "unknown method(s) medusa"),
-                                           (["--sizes", "0,64"], "got '0' in '0,64'")])
+                                           (["--sizes", "0,64"], "got '0' in '0,64'"),
+                                           (["--feature-layers", "1,-2"], "--feature-layers takes comma-separated")])
 def test_learning_curve_refuses_bad_arguments_in_one_line(argv, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.learning_curve", "--out", str(tmp_path / "out"),
                            "--work", str(tmp_path / "work"), *argv], capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_sequence_tau_counts_every_target_forward():
+    """Whole-sequence τ: output tokens over forwards (output tokens less accepted drafts)."""
+    from bench.offline import sequence_tau
+
+    assert sequence_tau(100, 0) == 1.0  # no speculation, or nothing accepted
+    assert sequence_tau(100, 50) == 2.0  # 50 forwards gave 100 tokens
+    # ngram drafting on 10 of 60 steps, 3 accepted each: per draft τ 4.0, per sequence 90 / 60
+    assert sequence_tau(90, 30) == pytest.approx(1.5)
+    assert sequence_tau(0, 0) is None
 
 
 def test_report_says_how_long_the_replies_were():

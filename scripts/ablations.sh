@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue #40's ablations at 2,048 conversations (docs/paper.md, "Ablations at 2,048 conversations"):
+# one learning-curve point per row, same data, order, seeds and optimizer steps. Hours on a CPU.
+# Every stage resumes where it stopped: rerun the script. Rows already measured are reused.
+#   bash scripts/ablations.sh            all rows
+#   bash scripts/ablations.sh 2          the first two rows only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh >/dev/null
+export PYTHONPATH=$PWD
+# Batch stages on a CPU: vLLM's KV cache is a fraction of the NUMA node; 0.25 holds 4 sequences of
+# the demo target on a 10-GiB node, 0.6 about 50 (4.5x the regeneration throughput, measured).
+export EDSD_CPU_MEMORY_FRACTION=${EDSD_CPU_MEMORY_FRACTION:-0.6}
+OUT=${OUT:-bench/results/ablation-2k}
+LAYERS=1,20,29  # besides EDSelect's and EAGLE-3's (2, 15, 27): every row's layers, one extraction
+COSINE="--lr-schedule cosine --weight-decay 0"
+ROWS=(
+  "edsd|$COSINE"                              # the paper's recipe: EDSelect's layers, annealed
+  "eagle3|$COSINE"                            # EAGLE-3 with the same optimizer
+  "edsd|--layers 1,20"                        # the shipped recipe and layers
+  "eagle3|"                                   # the shipped EAGLE-3 recipe
+  "edsd|"                                     # EDSelect's layers, the shipped optimizer
+  "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream
+  "edsd|$COSINE --no-step-n"                  # every TTT step from the first epoch
+  "edsd|--lr 5e-4 $COSINE"
+  "eagle3|--lr 5e-4 $COSINE"
+)
+count=${1:-${#ROWS[@]}}
+for row in "${ROWS[@]:0:$count}"; do
+  method=${row%%|*} extra=${row#*|}
+  echo "== $method ${extra:-(the demo recipe)}  ($(date -u +%H:%M))"
+  .venv/bin/python -m bench.learning_curve --sizes 2048 --out "$OUT" --feature-layers "$LAYERS" \
+    --methods "$method" --train-extra="$extra"
+done
