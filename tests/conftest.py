@@ -314,6 +314,8 @@ def trained(fitted_target, tmp_path_factory) -> dict:
     selected = json.loads((root / "layers.json").read_text())["aux_layer_ids"]
     common = ["--data", str(data), "--regenerate", "--max-length", "96", "--draft-vocab-size", "256",
               "--epochs", "8", "--ttt-steps", "3", "--lr", "1e-2", "--batch-size", "4", "--cache", str(root / "cache"),
+              # the regime the serving tests' acceptance was calibrated on
+              "--lr-schedule", "constant", "--weight-decay", "0.01",
               "--feature-layers", ",".join(map(str, sorted({*selected, 1, 2, 3})))]
     assert (
         main(["train", target, "--out", str(root / "edsd"), "--layers-from", str(root / "layers.json"), *common]) == 0
