@@ -233,7 +233,7 @@ BAD_INPUTS = {
         {"config": lambda c: c.update(draft_vocab_size=0)},
         "field 'draft_vocab_size' must be an integer in 1..vocab_size",
     ),
-    "head_dim zero": ({"config": lambda c: c.update(head_dim=0)}, "field 'head_dim' must be positive, got 0"),
+    "head_dim zero": ({"config": lambda c: c.update(head_dim=0)}, "field 'head_dim' must be a positive integer, got 0"),
     "head_dim odd": ({"config": lambda c: c.update(head_dim=63)}, "field 'head_dim' must be even"),
     "heads do not divide": (
         {"config": lambda c: (c.pop("head_dim", None), c.update(num_attention_heads=7))},
@@ -241,15 +241,15 @@ BAD_INPUTS = {
     ),
     "kv heads not a number": (
         {"config": lambda c: c.update(num_key_value_heads="two")},
-        "field 'num_key_value_heads' must be an integer, got 'two'",
+        "field 'num_key_value_heads' must be a positive integer, got 'two'",
     ),
     "target width not a number": (
         {"config": lambda c: c.update(target_hidden_size="wide")},
-        "field 'target_hidden_size' must be an integer, got 'wide'",
+        "field 'target_hidden_size' must be a positive integer, got 'wide'",
     ),
     "eps not a number": (
         {"config": lambda c: c.update(rms_norm_eps="small")},
-        "field 'rms_norm_eps' must be a number, got 'small'",
+        "field 'rms_norm_eps' must be a positive number, got 'small'",
     ),
     "llama3 rope incomplete": (
         {"config": lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})},
