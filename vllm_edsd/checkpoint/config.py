@@ -10,7 +10,7 @@ vLLM plugin cannot disagree about one.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +72,12 @@ class TargetFingerprint:
     model_type: str | None = None
 
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> TargetFingerprint:
-        """From a transformers config object or dict (text config of multimodal models)."""
-        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-        return cls(
-            vocab_size=int(get("vocab_size")),
-            hidden_size=int(get("hidden_size")),
-            num_hidden_layers=int(get("num_hidden_layers")),
-            model_type=get("model_type"),
-        )
+    def from_hf_config(cls, cfg: Any, source: str = "the target's config") -> TargetFingerprint:
+        """From a transformers config object or dict (text config of multimodal models). A missing
+        vocab_size or hidden_size is refused, naming ``source``; without num_hidden_layers the
+        fingerprint has no layer count, and the aux layer ids go unchecked against it."""
+        get = cfg.get if isinstance(cfg, dict) else lambda key: getattr(cfg, key, None)
+        return cls._checked({f.name: get(f.name) for f in fields(cls)}, source)
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "edsd_config.target") -> TargetFingerprint | None:
@@ -89,12 +86,16 @@ class TargetFingerprint:
             return None
         if not isinstance(d, dict):
             raise EDSDError(f"{source}: must be an object with vocab_size and hidden_size, got {d!r:.80}")
+        return cls._checked(d, source)
 
+    @classmethod
+    def _checked(cls, d: dict, source: str) -> TargetFingerprint:
+        """The fingerprint of ``d``'s fields: the sizes positive integers, the model type a string."""
         def size(key: str, required: bool = True) -> int | None:
             value = d.get(key)
-            if value is None and not required:
-                return None
-            return check_size(value, f"{source}: field '{key}'")
+            if value is None and required:
+                raise EDSDError(f"{source}: missing field '{key}'")
+            return None if value is None else check_size(value, f"{source}: field '{key}'")
 
         model_type = d.get("model_type")
         if model_type is not None and not isinstance(model_type, str):
@@ -249,12 +250,14 @@ class EDSDConfig:
         fuse_intermediate_size: int | None = None,
         intermediate_size: int | None = None,
         token_norm: str = RMSNORM,
+        source: str = "the target's config.json",
     ) -> EDSDConfig:
         """A drafter shaped for a target's ``config.json`` (docs/formats.md defaults: d = d_t,
         m = the target's FFN width, the target's attention geometry and RoPE; the token
-        norm of SpecForge's EDSD unless asked otherwise)."""
+        norm of SpecForge's EDSD unless asked otherwise). ``source`` names the target's file
+        in errors."""
         t = target.get("text_config") or target
-        fingerprint = TargetFingerprint.from_hf_config(t)
+        fingerprint = TargetFingerprint.from_hf_config(t, source)
         copied = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "rope_theta",
                   "rope_scaling")
@@ -266,7 +269,7 @@ class EDSDConfig:
             edsd_config={
                 "aux_layer_ids": list(aux_layer_ids),
                 "aux_layer_id_convention": LAYER_INPUT,
-                "fuse_intermediate_size": fuse_intermediate_size or t["intermediate_size"],
+                "fuse_intermediate_size": fuse_intermediate_size or t.get("intermediate_size"),
                 "token_norm": token_norm,
                 "token_norm_eps": t.get("rms_norm_eps", 1e-5),
                 "target": {k: v for k, v in asdict(fingerprint).items() if v is not None},
@@ -274,7 +277,7 @@ class EDSDConfig:
         )
         if intermediate_size:
             raw["intermediate_size"] = intermediate_size
-        cfg = cls.from_dict(raw, source="drafter config for the target")
+        cfg = cls.from_dict(raw, source=f"drafter config for {source}")
         cfg.check_target(fingerprint)
         return cfg
 
@@ -571,4 +574,8 @@ def decoder_layers(path: str | Path) -> int:
     """A target's number of decoder layers (vLLM's aux id of the last layer's output), from
     its config.json (a multimodal model's text config)."""
     config = read_config_json(path)
-    return (config.get("text_config") or config)["num_hidden_layers"]
+    layers = (config.get("text_config") or config).get("num_hidden_layers")
+    source = Path(path) / "config.json"
+    if layers is None:
+        raise EDSDError(f"{source}: missing field 'num_hidden_layers' (the target's number of decoder layers)")
+    return check_size(layers, f"{source}: field 'num_hidden_layers'")

@@ -82,11 +82,16 @@ class Summary:
                     "--verifier NAME_OR_PATH or --target DIR to write the speculators block (docs/formats.md)")
         return f"vllm serve {self.dst}  (loads the verifier {self.speculators.verifier}; speculators format)"
 
+    def _target_checked(self) -> str:
+        """What was checked against the target: its sizes, and its layers where its config counts them."""
+        if self.target is None:
+            return "not checked (pass --target)"
+        layers = self.target.num_hidden_layers
+        return (f"checked: vocab {self.target.vocab_size}, hidden {self.target.hidden_size}, "
+                + ("layer count not in its config.json (aux layer ids unchecked)" if layers is None
+                   else f"{layers} layers"))
+
     def render(self) -> str:
-        target = "not checked (pass --target)" if self.target is None else (
-            f"checked: vocab {self.target.vocab_size}, hidden {self.target.hidden_size}, "
-            f"{self.target.num_hidden_layers} layers"
-        )
         norm = f"{self.token_norm}, " + (
             "folded into a draft-owned embedding table" if self.folded else "kept; embedding shared with the target"
         )
@@ -101,7 +106,7 @@ class Summary:
                 f"{self.vllm_layer_ids} in vLLM's convention",
                 f"token norm  {norm}",
                 f"embedding   {self.embedding}",
-                f"target      {target}",
+                f"target      {self._target_checked()}",
                 f"serve with  --speculative-config {json.dumps(spec)}",
                 f"or alone    {self._served_alone()}",
             ]
@@ -124,11 +129,8 @@ def resolve_source(src: Path) -> Path:
 
 
 def _target_fingerprint(raw: dict, target: str | Path) -> TargetFingerprint:
-    text = raw.get("text_config") or raw
-    try:
-        return TargetFingerprint.from_hf_config(text)
-    except (KeyError, TypeError, ValueError):
-        raise EDSDError(f"{target}/config.json: lacks vocab_size, hidden_size or num_hidden_layers") from None
+    """The target's fingerprint from its config.json (a multimodal model's text config)."""
+    return TargetFingerprint.from_hf_config(raw.get("text_config") or raw, f"{target}/config.json")
 
 
 def _target_embedding(target: str | Path) -> torch.Tensor:
