@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -71,151 +73,114 @@ def _same_replies(row: dict) -> str:
     return "–" if same is None else f"{same}/{len(row['reply_digests'])}"
 
 
-def render(results: dict) -> str:
-    runs, m = results["runs"], results["machine"]
-    out = [
+# A table column: its header, and how a row's cell reads.
+Column = tuple[str, Callable[[dict], str]]
+
+METHOD: Column = ("method", lambda r: r["method"])
+K: Column = ("K", lambda r: str(r["k"]))
+T: Column = ("T", lambda r: _fmt(r["temperature"], ".0f"))
+DTYPE: Column = ("dtype", _dtype)
+TAU: Column = ("τ", lambda r: _fmt(r["tau"]))
+TAU_SEQUENCE: Column = ("τ (sequence)", lambda r: _fmt(r.get("tau_sequence")))
+DRAFT_LENGTH: Column = ("draft len", lambda r: _fmt(r.get("mean_draft_length")))
+TOKENS_PER_S: Column = ("tok/s", lambda r: _fmt(r["output_tokens_per_s"], ".1f"))
+SPEEDUP: Column = ("speed-up", lambda r: _fmt(r["speedup"]))
+SAME_REPLIES: Column = ("same replies", _same_replies)
+
+ACCEPTANCE = (METHOD, K, T, ("category", lambda r: r["category"]), DTYPE, TAU, TAU_SEQUENCE,
+              ("acceptance per position", lambda r: " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])),
+              DRAFT_LENGTH, TOKENS_PER_S, SPEEDUP, SAME_REPLIES)
+THROUGHPUT = (METHOD, K, T, ("batch", lambda r: str(r["batch_size"])), DTYPE, TOKENS_PER_S, SPEEDUP, TAU,
+              TAU_SEQUENCE, DRAFT_LENGTH, SAME_REPLIES)
+
+
+def _seconds(header: str, key: str, spec: str = ".2f") -> Column:
+    """A latency statistic, recorded in seconds under ``key``."""
+    return header, lambda r: _fmt(r[key], spec)
+
+
+LATENCY = (METHOD, K, DTYPE, ("QPS", lambda r: _fmt(r["qps"], "g")),
+           ("achieved QPS", lambda r: _fmt(r["achieved_qps"])), ("requests", lambda r: str(r["num_requests"])),
+           ("failures", lambda r: str(r["failures"])), ("late", lambda r: str(r["late_starts"])),
+           *(_seconds(f"e2e {stat}", f"e2e_{stat}_s") for stat in ("mean", "p50", "p99")),
+           *(_seconds(f"{name} {stat}", f"{key}_{stat}_s", ".3f")
+             for name, key in (("TTFT", "ttft"), ("ITL", "itl")) for stat in ("mean", "p50", "p99")),
+           TOKENS_PER_S)
+ROBUSTNESS = (METHOD, K, ("system prompt", lambda r: r["system_prompt"]), DTYPE, TAU,
+              ("change", lambda r: "–" if r.get("tau_drop") is None else f"{r['tau_drop']:+.1%}"))
+MIXED_RUNS = ("all-K", "all-off", "half-off")
+MIXED = (METHOD, K, ("batch", lambda r: str(r["batch_size"])), ("half", lambda r: r["half"]), DTYPE,
+         ("in half-off", lambda r: "drafts" if r["half"] == "even" else "opts out"),
+         *((f"tok/s {run}", lambda r, run=run: _fmt(r[run], ".1f")) for run in MIXED_RUNS))
+
+
+def _mixed_halves(rows: list[dict]) -> list[dict]:
+    """One row per (method, K, half) of the mixed suite, with the half's tok/s in each of its runs."""
+    tok_s = {(r["method"], r["k"], r["half"], r["run"]): r["output_tokens_per_s"] for r in rows}
+    halves = sorted({(r["method"], r["k"], r["batch_size"], r["half"], _dtype(r)) for r in rows},
+                    key=lambda h: (h[0], h[1], h[3]))
+    return [{"method": m, "k": k, "batch_size": b, "half": half, "dtype": dtype,
+             **{run: tok_s.get((m, k, half, run)) for run in MIXED_RUNS}} for m, k, b, half, dtype in halves]
+
+
+@dataclass(frozen=True)
+class Section:
+    """A suite's part of the report: its heading and notes, then one table row per result
+    (``regroup`` turns the suite's results into the table's rows where they differ)."""
+
+    suite: str
+    heading: str
+    columns: tuple[Column, ...]
+    regroup: Callable[[list[dict]], list[dict]] = list
+
+    def render(self, runs: list[dict]) -> list[str]:
+        """The heading and the table, or nothing where the suite has no results."""
+        rows = self.regroup([r for r in runs if r["suite"] == self.suite])
+        if not rows:
+            return []
+        return [self.heading, _table([header for header, _ in self.columns],
+                                     [[cell(r) for _, cell in self.columns] for r in rows])]
+
+
+SECTIONS = (
+    Section("acceptance", "## Acceptance (batch size 1)\n\nτ = mean acceptance length; draft len = mean tokens per "
+            "draft (K unless the length adapts); speed-up over no speculation in the same run; same replies: at "
+            "T=0, the replies equal to no speculation's, token for token.\n", ACCEPTANCE),
+    Section("throughput", "\n## Throughput vs batch size (chain drafting)\n", THROUGHPUT),
+    Section("latency", "\n## Latency vs request rate (open-loop Poisson arrivals, streaming, seconds)\n\n"
+            "ITL = mean time per output token after the first chunk, per request; late = requests sent "
+            "over 50 ms after their scheduled arrival.\n", LATENCY),
+    Section("robustness", "\n## Robustness to system prompts (paper Table 14; τ change vs no system prompt)\n",
+            ROBUSTNESS),
+    Section("mixed", "\n## Mixed batch: half the requests opt out of drafting (T=0)\n\n"
+            "Each half's output tok/s, from the batch's start to the half's last token, with the batch "
+            "served all at K, all opted out (`extra_args={\"num_speculative_tokens\": 0}`), and half "
+            "opted out (the odd-numbered requests), in one engine.\n", MIXED, _mixed_halves),
+)
+
+
+def _header(results: dict) -> str:
+    """The machine, the software, the models and the command the results came from."""
+    runs, m, config = results["runs"], results["machine"], results["config"]
+    return (
         f"# Benchmark report\n\nmachine: {m['processor']} ({m['cores']} cores; {m.get('cpu_instruction_set', '?')}), "
         f"accelerator: {m['accelerator']}; {_engines_dtype(runs, m)}; "
         f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}{_load(m)}\n\n"
-        f"target: `{results['config']['target']}`; "
+        f"target: `{config['target']}`; "
         f"drafters: "
-        + ", ".join(f"{k} `{v}`" for k, v in results["config"]["drafters"].items())
-        + f"\n\ncommand: `{results['config']['command']}`\n\n{_reply_length(results['config'])}\n"
-    ]
+        + ", ".join(f"{k} `{v}`" for k, v in config["drafters"].items())
+        + f"\n\ncommand: `{config['command']}`\n\n{_reply_length(config)}\n"
+    )
+
+
+def render(results: dict) -> str:
+    """The report: the header, the suites that failed, then each suite's tables."""
+    runs = results["runs"]
+    out = [_header(results)]
     for suite, reason in results.get("failed_suites", {}).items():
         out.append(f"\n**The {suite} suite failed** ({reason}); it has no rows below.\n")
-    acc = [r for r in runs if r["suite"] == "acceptance"]
-    if acc:
-        out.append("## Acceptance (batch size 1)\n\nτ = mean acceptance length; draft len = mean tokens per draft "
-                   "(K unless the length adapts); speed-up over no speculation in the same run; same replies: "
-                   "at T=0, the replies equal to no speculation's, token for token.\n")
-        out.append(
-            _table(
-                [
-                    "method",
-                    "K",
-                    "T",
-                    "category",
-                    "dtype",
-                    "τ",
-                    "τ (sequence)",
-                    "acceptance per position",
-                    "draft len",
-                    "tok/s",
-                    "speed-up",
-                    "same replies",
-                ],
-                [
-                    [
-                        r["method"],
-                        str(r["k"]),
-                        _fmt(r["temperature"], ".0f"),
-                        r["category"],
-                        _dtype(r),
-                        _fmt(r["tau"]),
-                        _fmt(r.get("tau_sequence")),
-                        " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]),
-                        _fmt(r.get("mean_draft_length")),
-                        _fmt(r["output_tokens_per_s"], ".1f"),
-                        _fmt(r["speedup"]),
-                        _same_replies(r),
-                    ]
-                    for r in acc
-                ],
-            )
-        )
-    thr = [r for r in runs if r["suite"] == "throughput"]
-    if thr:
-        out.append("\n## Throughput vs batch size (chain drafting)\n")
-        out.append(
-            _table(
-                ["method", "K", "T", "batch", "dtype", "tok/s", "speed-up", "τ", "τ (sequence)", "draft len",
-                 "same replies"],
-                [
-                    [
-                        r["method"],
-                        str(r["k"]),
-                        _fmt(r["temperature"], ".0f"),
-                        str(r["batch_size"]),
-                        _dtype(r),
-                        _fmt(r["output_tokens_per_s"], ".1f"),
-                        _fmt(r["speedup"]),
-                        _fmt(r["tau"]),
-                        _fmt(r.get("tau_sequence")),
-                        _fmt(r.get("mean_draft_length")),
-                        _same_replies(r),
-                    ]
-                    for r in thr
-                ],
-            )
-        )
-    lat = [r for r in runs if r["suite"] == "latency"]
-    if lat:
-        out.append("\n## Latency vs request rate (open-loop Poisson arrivals, streaming, seconds)\n\n"
-                   "ITL = mean time per output token after the first chunk, per request; late = requests sent "
-                   "over 50 ms after their scheduled arrival.\n")
-        out.append(
-            _table(
-                [
-                    "method",
-                    "K",
-                    "dtype",
-                    "QPS",
-                    "achieved QPS",
-                    "requests",
-                    "failures",
-                    "late",
-                    "e2e mean",
-                    "e2e p50",
-                    "e2e p99",
-                    "TTFT mean",
-                    "TTFT p50",
-                    "TTFT p99",
-                    "ITL mean",
-                    "ITL p50",
-                    "ITL p99",
-                    "tok/s",
-                ],
-                [
-                    [
-                        r["method"],
-                        str(r["k"]),
-                        _dtype(r),
-                        _fmt(r["qps"], "g"),
-                        _fmt(r["achieved_qps"]),
-                        str(r["num_requests"]),
-                        str(r["failures"]),
-                        str(r["late_starts"]),
-                        _fmt(r["e2e_mean_s"]),
-                        _fmt(r["e2e_p50_s"]),
-                        _fmt(r["e2e_p99_s"]),
-                        *(_fmt(r[f"{m}_{stat}_s"], ".3f") for m in ("ttft", "itl") for stat in ("mean", "p50", "p99")),
-                        _fmt(r["output_tokens_per_s"], ".1f"),
-                    ]
-                    for r in lat
-                ],
-            )
-        )
-    rob = [r for r in runs if r["suite"] == "robustness"]
-    if rob:
-        out.append("\n## Robustness to system prompts (paper Table 14; τ change vs no system prompt)\n")
-        out.append(_table(["method", "K", "system prompt", "dtype", "τ", "change"], [
-            [r["method"], str(r["k"]), r["system_prompt"], _dtype(r), _fmt(r["tau"]),
-             "–" if r.get("tau_drop") is None else f"{r['tau_drop']:+.1%}"] for r in rob]))
-    mix = [r for r in runs if r["suite"] == "mixed"]
-    if mix:
-        out.append("\n## Mixed batch: half the requests opt out of drafting (T=0)\n\n"
-                   "Each half's output tok/s, from the batch's start to the half's last token, with the batch "
-                   "served all at K, all opted out (`extra_args={\"num_speculative_tokens\": 0}`), and half "
-                   "opted out (the odd-numbered requests), in one engine.\n")
-        tok_s = {(r["method"], r["k"], r["half"], r["run"]): r["output_tokens_per_s"] for r in mix}
-        halves = sorted({(r["method"], r["k"], r["batch_size"], r["half"], _dtype(r)) for r in mix},
-                        key=lambda h: (h[0], h[1], h[3]))
-        out.append(_table(
-            ["method", "K", "batch", "half", "dtype", "in half-off", "tok/s all-K", "tok/s all-off", "tok/s half-off"],
-            [[m, str(k), str(b), half, dtype, "drafts" if half == "even" else "opts out",
-              *(_fmt(tok_s.get((m, k, half, run)), ".1f") for run in ("all-K", "all-off", "half-off"))]
-             for m, k, b, half, dtype in halves]))
+    for section in SECTIONS:
+        out += section.render(runs)
     cost = [r for r in runs if r["suite"] == "draft-cost"]
     if cost:
         out += _draft_cost(cost)

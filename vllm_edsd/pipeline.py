@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_edsd.checkpoint.files import finished_checkpoint, replace_file
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, is_int, positive_int
 from vllm_edsd.training.features import BACKENDS  # what runs the target for its features
 
 EXAMPLE = """\
@@ -93,6 +93,9 @@ SCHEMA: dict[str, dict[str, tuple[Any, Any]]] = {
     "output": {"work": (str, REQUIRED), "dtype": (str, None), "convert": (bool, True)},
 }
 PATHS = (("target", "path"), ("data", "file"), ("output", "work"))  # relative to the config file
+# Counts of 1 or more, refused here: the stage that reads one would refuse it only when it runs, hours in.
+POSITIVE = (("data", "answer_tokens"), ("layers", "select_max_length"), ("train", "epochs"), ("train", "ttt_steps"),
+            ("train", "batch_size"), ("train", "draft_vocab_size"), ("train", "max_length"), ("train", "max_samples"))
 METHODS = ("edsd", "eagle3")
 DTYPES = ("float16", "bfloat16", "float32")
 # The `edsd` subcommands the stages run, each through its own module.
@@ -128,9 +131,9 @@ def type_fits(value: Any, kind: Any) -> bool:
         (item,) = typing.get_args(kind)
         return isinstance(value, list) and all(type_fits(v, item) for v in value)
     if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return is_int(value) or isinstance(value, float)
     if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     return isinstance(value, kind)
 
 
@@ -168,8 +171,11 @@ def check_meaning(where: Path, cfg: Config) -> None:
         raise EDSDError(f"{where}: [data] needs either file or sharegpt_chat/sharegpt_code (one of them)")
     if sharegpt and not data["regenerate"]:
         raise EDSDError(f"{where}: data.sharegpt_* are prompts without answers: set data.regenerate = true")
-    if min(data["sharegpt_chat"], data["sharegpt_code"], data["answer_tokens"] - 1) < 0:
-        raise EDSDError(f"{where}: data.sharegpt_chat, sharegpt_code must be >= 0 and answer_tokens >= 1")
+    if min(data["sharegpt_chat"], data["sharegpt_code"]) < 0:
+        raise EDSDError(f"{where}: data.sharegpt_chat and sharegpt_code must be >= 0")
+    for section, key in POSITIVE:
+        if cfg[section][key] is not None:
+            positive_int(cfg[section][key], f"{where}: {section}.{key}")
     methods = train["methods"]
     if not methods or len(set(methods)) != len(methods) or not set(methods) <= set(METHODS):
         raise EDSDError(f"{where}: train.methods must name distinct methods of {list(METHODS)}, got {methods}")

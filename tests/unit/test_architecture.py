@@ -2,11 +2,13 @@
 no import circles between modules, and no import that goes against the rooms' order below
 (docs/architecture.md explains the rooms). Every import counts: module level, inside
 functions, and modules named in strings (``importlib.import_module`` tables,
-``"package.module:Class"`` registrations)."""
+``"package.module:Class"`` registrations). And no function or method of theirs longer than
+MAX_FUNCTION_LINES."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,3 +168,41 @@ def test_the_package_does_not_import_its_entries_or_the_tests():
             assert not {m for m in imported if m.split(".")[0] in ("weights_convert", "bench")}, module
     text = "\n".join(path.read_text() for module, path in MODULES.items() if module.startswith("vllm_edsd"))
     assert "support.toy" not in text and "toy_corpus" not in text
+
+
+# A function longer than this does several things: give each a name of its own.
+MAX_FUNCTION_LINES = 80
+
+
+def function_lengths(tree: ast.AST) -> Iterator[tuple[str, int, int]]:
+    """(qualified name, ``def`` line, lines from the ``def`` to the body's end) of every function
+    and method in ``tree``, nested ones too; decorators do not count."""
+
+    def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, int, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef):
+                    yield name, child.lineno, child.end_lineno - child.lineno + 1
+                yield from visit(child, name + ".")
+            else:
+                yield from visit(child, prefix)
+
+    yield from visit(tree, "")
+
+
+def test_function_length_runs_from_def_to_the_end_of_the_body():
+    source = "@cache\n@wraps(g)\ndef f():\n    x = 1\n\n    return x\nclass C:\n    def m(self):\n        pass\n"
+    assert list(function_lengths(ast.parse(source))) == [("f", 3, 4), ("C.m", 8, 2)]
+
+
+def test_no_function_is_longer_than_the_limit():
+    too_long = [
+        f"{path.relative_to(ROOT)}:{line} {name} ({length} lines)"
+        for path in MODULES.values()
+        for name, line, length in function_lengths(ast.parse(path.read_text(), str(path)))
+        if length > MAX_FUNCTION_LINES
+    ]
+    assert too_long == [], f"functions over {MAX_FUNCTION_LINES} lines (split them into named parts):\n" + "\n".join(
+        too_long
+    )

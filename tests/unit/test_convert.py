@@ -13,9 +13,10 @@ from conftest import edited_copy
 from safetensors.torch import load_file, save_file
 from support.toy import make_drafter
 
-from vllm_edsd.checkpoint.config import LAYERNORM, TOKEN_NORMS
+from vllm_edsd.checkpoint.config import LAYERNORM, TOKEN_NORMS, EDSDConfig, decoder_layers
 from vllm_edsd.checkpoint.layouts import EDSD_TRAINING, read_drafter_config
 from vllm_edsd.cli import main
+from vllm_edsd.errors import EDSDError
 from vllm_edsd.model.edsd import EDSDDraftModel
 from vllm_edsd.target.hidden_states import load_target, run_target
 
@@ -233,7 +234,7 @@ BAD_INPUTS = {
         {"config": lambda c: c.update(draft_vocab_size=0)},
         "field 'draft_vocab_size' must be an integer in 1..vocab_size",
     ),
-    "head_dim zero": ({"config": lambda c: c.update(head_dim=0)}, "field 'head_dim' must be positive, got 0"),
+    "head_dim zero": ({"config": lambda c: c.update(head_dim=0)}, "field 'head_dim' must be a positive integer, got 0"),
     "head_dim odd": ({"config": lambda c: c.update(head_dim=63)}, "field 'head_dim' must be even"),
     "heads do not divide": (
         {"config": lambda c: (c.pop("head_dim", None), c.update(num_attention_heads=7))},
@@ -241,15 +242,15 @@ BAD_INPUTS = {
     ),
     "kv heads not a number": (
         {"config": lambda c: c.update(num_key_value_heads="two")},
-        "field 'num_key_value_heads' must be an integer, got 'two'",
+        "field 'num_key_value_heads' must be a positive integer, got 'two'",
     ),
     "target width not a number": (
         {"config": lambda c: c.update(target_hidden_size="wide")},
-        "field 'target_hidden_size' must be an integer, got 'wide'",
+        "field 'target_hidden_size' must be a positive integer, got 'wide'",
     ),
     "eps not a number": (
         {"config": lambda c: c.update(rms_norm_eps="small")},
-        "field 'rms_norm_eps' must be a number, got 'small'",
+        "field 'rms_norm_eps' must be a positive number, got 'small'",
     ),
     "llama3 rope incomplete": (
         {"config": lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})},
@@ -317,3 +318,38 @@ def test_bad_files_and_flags(models, training_ckpt, tmp_path, capsys, make, expe
     assert code == 2
     assert expected in err
     assert not dst.exists()
+
+
+def _target_without(models, tmp_path: Path, field: str) -> Path:
+    """A copy of the toy Llama target whose config.json lacks ``field``."""
+    return edited_copy(models["llama"], tmp_path / "target", edit_config=lambda c: c.pop(field))
+
+
+def test_a_target_without_a_layer_count_converts_unchecked(models, training_ckpt, tmp_path, capsys):
+    """num_hidden_layers is optional in a target's fingerprint: without it the drafter is checked
+    against the target's sizes, not its aux layer ids, and the summary says so."""
+    target = _target_without(models, tmp_path, "num_hidden_layers")
+    code, out, err = run_convert(capsys, training_ckpt, tmp_path / "out", "--target", target)
+    assert code == 0, err
+    assert "target      checked: vocab 512, hidden 256, layer count not in its config.json" in out
+    recorded = json.loads((tmp_path / "out" / "config.json").read_text())["edsd_config"]["target"]
+    assert recorded == {"vocab_size": 512, "hidden_size": 256, "model_type": "llama"}
+    target_config = json.loads((target / "config.json").read_text())
+    assert EDSDConfig.for_target(target_config, (1, 3)).target.num_hidden_layers is None
+
+
+def test_a_target_without_its_sizes_is_refused_by_file_and_field(models, training_ckpt, tmp_path, capsys):
+    target = _target_without(models, tmp_path, "vocab_size")
+    code, _, err = run_convert(capsys, training_ckpt, tmp_path / "out", "--target", target)
+    assert code == 2 and err.count("\n") == 1
+    assert f"{target}/config.json: missing field 'vocab_size'" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_choosing_layers_needs_the_target_layer_count(models, tmp_path):
+    """Where the layer count is needed (EAGLE-3's default layers, feature extraction), its absence
+    is one error naming the file and the field."""
+    target = _target_without(models, tmp_path, "num_hidden_layers")
+    with pytest.raises(EDSDError, match=f"^{target}/config.json: missing field 'num_hidden_layers'"):
+        decoder_layers(target)
+    assert decoder_layers(models["llama"]) == 4

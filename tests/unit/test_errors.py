@@ -13,7 +13,7 @@ import pytest
 from conftest import edsd_spec as spec
 from conftest import engine_config
 
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.serving.draft_length import AdaptiveDraftLength, check_request_cap, check_runner
 from vllm_edsd.serving.plugin import version_supported
 
@@ -37,6 +37,14 @@ def test_bad_drafter_is_refused_with_a_clear_error(models, drafters, case, expec
     with pytest.raises(EDSDError) as err:
         engine_config(models["llama"], spec(drafters[case]))
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("value", [0, -3, True, False, 2.0, "4", None])
+def test_a_positive_int_is_an_integer_of_one_or_more_and_no_bool(value):
+    """The one check of counts in config files and speculative configs (JSON's true is Python's 1)."""
+    with pytest.raises(EDSDError, match=r"^train\.epochs must be a positive integer, got "):
+        positive_int(value, "train.epochs")
+    assert positive_int(1, "train.epochs") == 1
 
 
 @pytest.mark.vllm_range

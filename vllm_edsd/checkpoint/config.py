@@ -10,12 +10,12 @@ vLLM plugin cannot disagree about one.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from vllm_edsd.checkpoint.files import load_json
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, is_int, positive_int
 
 # No size, count or constant of a drafter reaches 2**31: a larger one is a typo or an attack,
 # and would overflow an int32 index or an allocation further on.
@@ -43,6 +43,25 @@ MAX_SPECULATIVE_TOKENS = 16  # a one-layer drafter's acceptance is spent long be
 PROPOSAL_TYPE = "greedy"  # the speculators name of vLLM's chain drafting
 
 
+def check_size(value: Any, what: str) -> int:
+    """A size or count of a drafter: a positive integer below 2**31."""
+    return _below_max_field(positive_int(value, what), what)
+
+
+def check_constant(value: Any, what: str) -> int | float:
+    """A positive number below 2**31 (an epsilon, a RoPE base); NaN and infinity are refused."""
+    if not (is_int(value) or isinstance(value, float)) or not value > 0:  # NaN too
+        raise EDSDError(f"{what} must be a positive number, got {value!r:.40}")
+    return _below_max_field(value, what)
+
+
+def _below_max_field(value: int | float, what: str) -> int | float:
+    """No size, count or constant of a drafter reaches 2**31 (MAX_FIELD)."""
+    if not value < MAX_FIELD:  # infinity, and sizes that overflow further on
+        raise EDSDError(f"{what} must be below 2**31, got {value!r:.40}")
+    return value
+
+
 @dataclass(frozen=True)
 class TargetFingerprint:
     """What a drafter must agree on with its target model."""
@@ -53,15 +72,12 @@ class TargetFingerprint:
     model_type: str | None = None
 
     @classmethod
-    def from_hf_config(cls, cfg: Any) -> TargetFingerprint:
-        """From a transformers config object or dict (text config of multimodal models)."""
-        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-        return cls(
-            vocab_size=int(get("vocab_size")),
-            hidden_size=int(get("hidden_size")),
-            num_hidden_layers=int(get("num_hidden_layers")),
-            model_type=get("model_type"),
-        )
+    def from_hf_config(cls, cfg: Any, source: str = "the target's config") -> TargetFingerprint:
+        """From a transformers config object or dict (text config of multimodal models). A missing
+        vocab_size or hidden_size is refused, naming ``source``; without num_hidden_layers the
+        fingerprint has no layer count, and the aux layer ids go unchecked against it."""
+        get = cfg.get if isinstance(cfg, dict) else lambda key: getattr(cfg, key, None)
+        return cls._checked({f.name: get(f.name) for f in fields(cls)}, source)
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "edsd_config.target") -> TargetFingerprint | None:
@@ -70,14 +86,16 @@ class TargetFingerprint:
             return None
         if not isinstance(d, dict):
             raise EDSDError(f"{source}: must be an object with vocab_size and hidden_size, got {d!r:.80}")
+        return cls._checked(d, source)
 
+    @classmethod
+    def _checked(cls, d: dict, source: str) -> TargetFingerprint:
+        """The fingerprint of ``d``'s fields: the sizes positive integers, the model type a string."""
         def size(key: str, required: bool = True) -> int | None:
             value = d.get(key)
-            if value is None and not required:
-                return None
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < MAX_FIELD:
-                raise EDSDError(f"{source}: field '{key}' must be a positive integer below 2**31, got {value!r:.80}")
-            return value
+            if value is None and required:
+                raise EDSDError(f"{source}: missing field '{key}'")
+            return None if value is None else check_size(value, f"{source}: field '{key}'")
 
         model_type = d.get("model_type")
         if model_type is not None and not isinstance(model_type, str):
@@ -88,7 +106,7 @@ class TargetFingerprint:
 
 def check_speculative_tokens(k: Any, what: str) -> int:
     """The draft length K a drafter directory proposes: 1..MAX_SPECULATIVE_TOKENS."""
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+    if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise EDSDError(f"{what} must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r:.40}")
     return k
 
@@ -187,114 +205,32 @@ class EDSDConfig:
         ``layer_id_convention`` overrides the convention recorded in the file (the
         converter's ``--layer-id-convention``); the result always holds vLLM ids.
         """
-        if not isinstance(raw, dict):
-            raise EDSDError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-        edsd = raw.get("edsd_config")
-        if not isinstance(edsd, dict):
-            raise EDSDError(
-                f"{source}: no 'edsd_config' block; this is not an EDSD drafter "
-                f"(architectures={raw.get('architectures')})"
-            )
-
-        def need(block: dict, key: str, kind: type, where: str = "") -> Any:
-            if key not in block:
-                raise EDSDError(f"{source}: missing field '{where}{key}'")
-            value = block[key]
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise EDSDError(f"{source}: field '{where}{key}' must be an integer, got {value!r}")
-            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise EDSDError(f"{source}: field '{where}{key}' must be a number, got {value!r}")
-            if kind in (int, float) and not value > 0:  # NaN too
-                raise EDSDError(f"{source}: field '{where}{key}' must be positive, got {value!r}")
-            if kind in (int, float) and not value < MAX_FIELD:  # inf, and sizes that overflow further on
-                raise EDSDError(f"{source}: field '{where}{key}' must be below 2**31, got {value!r:.40}")
-            return value
-
-        def optional(block: dict, key: str, kind: type, default: Any, where: str = "") -> Any:
-            """A field that may be absent (or null): then ``default``; else checked as ``need`` does."""
-            return default if block.get(key) is None else need(block, key, kind, where)
-
-        hidden = need(raw, "hidden_size", int)
-        heads = need(raw, "num_attention_heads", int)
-        layers = raw.get("num_hidden_layers", 1)
-        if layers != 1:
-            raise EDSDError(f"{source}: field 'num_hidden_layers' must be 1 for an EDSD drafter, got {layers!r}")
-        vocab = need(raw, "vocab_size", int)
-        draft_vocab = raw.get("draft_vocab_size")
-        draft_vocab = vocab if draft_vocab is None else draft_vocab
-        if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or not 0 < draft_vocab <= vocab:
-            raise EDSDError(
-                f"{source}: field 'draft_vocab_size' must be an integer in 1..vocab_size={vocab}, got {draft_vocab!r}"
-            )
-        if raw.get("head_dim") is None and hidden % heads:
-            raise EDSDError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
-                            "(give 'head_dim' explicitly if the attention width differs from hidden_size)")
-        head_dim = optional(raw, "head_dim", int, hidden // heads)
-        if head_dim % 2:
-            raise EDSDError(f"{source}: field 'head_dim' must be even (RoPE rotates pairs), got {head_dim}")
-        convention = layer_id_convention or edsd.get("aux_layer_id_convention")
-        if convention is None:
-            raise EDSDError(
-                f"{source}: field 'edsd_config.aux_layer_id_convention' is missing; pass "
-                f"--layer-id-convention {LAYER_INPUT}|{LAYER_OUTPUT} (SpecForge checkpoints record "
-                f"'{LAYER_OUTPUT}': the output of layer i, which is vLLM's id i+1)"
-            )
-        if convention not in LAYER_ID_CONVENTIONS:
-            raise EDSDError(
-                f"{source}: aux layer id convention {convention!r} is not one of {LAYER_ID_CONVENTIONS}"
-            )
-        ids = edsd.get("aux_layer_ids")
-        if (
-            not isinstance(ids, (list, tuple))
-            or len(ids) != 2
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
-        ):
-            raise EDSDError(
-                f"{source}: field 'edsd_config.aux_layer_ids' must list exactly two non-negative "
-                f"target layer ids, got {ids!r}"
-            )
-        shift = 1 if convention == LAYER_OUTPUT else 0
-        vllm_ids = tuple(sorted(i + shift for i in ids))
-        if vllm_ids[0] == vllm_ids[1]:
-            raise EDSDError(f"{source}: field 'edsd_config.aux_layer_ids' names the same layer twice: {ids!r}")
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-        if dtype not in SUPPORTED_DTYPES:
-            raise EDSDError(f"{source}: field 'torch_dtype' is {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise EDSDError(f"{source}: field 'hidden_act' is {act!r}; the EDSD draft layer is a SwiGLU (silu)")
-        kv_heads = optional(raw, "num_key_value_heads", int, heads)
-        if heads % kv_heads:
-            raise EDSDError(
-                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-            )
-        folded = edsd.get("token_norm_folded", False)
-        if not isinstance(folded, bool):
-            raise EDSDError(f"{source}: field 'edsd_config.token_norm_folded' must be true or false")
-        token_norm = edsd.get("token_norm", LEGACY_TOKEN_NORM)
-        if token_norm not in TOKEN_NORMS:
-            raise EDSDError(
-                f"{source}: field 'edsd_config.token_norm' is {token_norm!r}; supported: {', '.join(TOKEN_NORMS)}"
-            )
+        edsd = _edsd_block_of(raw, source)
+        reader = _FieldReader(source)
+        hidden = reader.need(raw, "hidden_size", int)
+        heads = reader.need(raw, "num_attention_heads", int)
+        _check_one_layer(raw, source)
+        vocab = reader.need(raw, "vocab_size", int)
+        # Keyword arguments are evaluated in order: the first problem of a file is the one reported.
         return cls(
             hidden_size=hidden,
-            intermediate_size=need(raw, "intermediate_size", int),
             num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
             vocab_size=vocab,
-            draft_vocab_size=draft_vocab,
-            target_hidden_size=optional(raw, "target_hidden_size", int, hidden),
-            fuse_intermediate_size=need(edsd, "fuse_intermediate_size", int, "edsd_config."),
-            aux_layer_ids=vllm_ids,  # type: ignore[arg-type]
-            rms_norm_eps=float(optional(raw, "rms_norm_eps", float, 1e-5)),
-            token_norm=token_norm,
-            token_norm_eps=float(optional(edsd, "token_norm_eps", float, 1e-5, "edsd_config.")),
+            draft_vocab_size=_draft_vocab_size(raw, vocab, source),
+            head_dim=_head_dim(raw, hidden, heads, reader),
+            aux_layer_ids=_vllm_aux_layer_ids(edsd, layer_id_convention, source),
+            torch_dtype=_dtype(raw, source),
+            hidden_act=_hidden_act(raw, source),
+            num_key_value_heads=_kv_heads(raw, heads, reader),
+            token_norm_folded=_token_norm_folded(edsd, source),
+            token_norm=_token_norm(edsd, source),
+            intermediate_size=reader.need(raw, "intermediate_size", int),
+            target_hidden_size=reader.optional(raw, "target_hidden_size", int, hidden),
+            fuse_intermediate_size=reader.need(edsd, "fuse_intermediate_size", int, "edsd_config."),
+            rms_norm_eps=float(reader.optional(raw, "rms_norm_eps", float, 1e-5)),
+            token_norm_eps=float(reader.optional(edsd, "token_norm_eps", float, 1e-5, "edsd_config.")),
             rope_parameters=rope_parameters_of(raw, source),
-            max_position_embeddings=optional(raw, "max_position_embeddings", int, 2048),
-            hidden_act=act,
-            token_norm_folded=folded,
-            torch_dtype=dtype,
+            max_position_embeddings=reader.optional(raw, "max_position_embeddings", int, 2048),
             target=TargetFingerprint.from_dict(edsd.get("target"), f"{source}: field 'edsd_config.target'"),
             metadata={k: v for k, v in edsd.items() if k in ("converter", "source")},
             speculators=Speculators.from_config(raw, source),
@@ -314,12 +250,14 @@ class EDSDConfig:
         fuse_intermediate_size: int | None = None,
         intermediate_size: int | None = None,
         token_norm: str = RMSNORM,
+        source: str = "the target's config.json",
     ) -> EDSDConfig:
         """A drafter shaped for a target's ``config.json`` (docs/formats.md defaults: d = d_t,
         m = the target's FFN width, the target's attention geometry and RoPE; the token
-        norm of SpecForge's EDSD unless asked otherwise)."""
+        norm of SpecForge's EDSD unless asked otherwise). ``source`` names the target's file
+        in errors."""
         t = target.get("text_config") or target
-        fingerprint = TargetFingerprint.from_hf_config(t)
+        fingerprint = TargetFingerprint.from_hf_config(t, source)
         copied = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "rope_theta",
                   "rope_scaling")
@@ -331,7 +269,7 @@ class EDSDConfig:
             edsd_config={
                 "aux_layer_ids": list(aux_layer_ids),
                 "aux_layer_id_convention": LAYER_INPUT,
-                "fuse_intermediate_size": fuse_intermediate_size or t["intermediate_size"],
+                "fuse_intermediate_size": fuse_intermediate_size or t.get("intermediate_size"),
                 "token_norm": token_norm,
                 "token_norm_eps": t.get("rms_norm_eps", 1e-5),
                 "target": {k: v for k, v in asdict(fingerprint).items() if v is not None},
@@ -339,7 +277,7 @@ class EDSDConfig:
         )
         if intermediate_size:
             raw["intermediate_size"] = intermediate_size
-        cfg = cls.from_dict(raw, source="drafter config for the target")
+        cfg = cls.from_dict(raw, source=f"drafter config for {source}")
         cfg.check_target(fingerprint)
         return cfg
 
@@ -441,6 +379,142 @@ class EDSDConfig:
             raise EDSDError(f"{drafter} does not fit the target model: " + "; ".join(problems))
 
 
+class _FieldReader:
+    """Reads the numeric fields of one config.json, each refused by name when missing or malformed."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def need(self, block: dict, key: str, kind: type, where: str = "") -> Any:
+        """A required field: a size (``int``) or a constant (``float``), positive and below 2**31."""
+        if key not in block:
+            raise EDSDError(f"{self.source}: missing field '{where}{key}'")
+        what = f"{self.source}: field '{where}{key}'"
+        return check_size(block[key], what) if kind is int else check_constant(block[key], what)
+
+    def optional(self, block: dict, key: str, kind: type, default: Any, where: str = "") -> Any:
+        """A field that may be absent (or null): then ``default``; else checked as ``need`` does."""
+        return default if block.get(key) is None else self.need(block, key, kind, where)
+
+
+def _edsd_block_of(raw: Any, source: str) -> dict:
+    """The ``edsd_config`` block, which makes a config.json an EDSD drafter's."""
+    if not isinstance(raw, dict):
+        raise EDSDError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    edsd = raw.get("edsd_config")
+    if not isinstance(edsd, dict):
+        raise EDSDError(
+            f"{source}: no 'edsd_config' block; this is not an EDSD drafter "
+            f"(architectures={raw.get('architectures')})"
+        )
+    return edsd
+
+
+def _check_one_layer(raw: dict, source: str) -> None:
+    """An EDSD drafter is one decoder layer; a config without the field is one."""
+    layers = raw.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise EDSDError(f"{source}: field 'num_hidden_layers' must be 1 for an EDSD drafter, got {layers!r}")
+
+
+def _draft_vocab_size(raw: dict, vocab: int, source: str) -> int:
+    """The draft vocabulary: the target's whole vocabulary unless the config names a part."""
+    draft_vocab = raw.get("draft_vocab_size")
+    draft_vocab = vocab if draft_vocab is None else draft_vocab
+    if not is_int(draft_vocab) or not 0 < draft_vocab <= vocab:
+        raise EDSDError(
+            f"{source}: field 'draft_vocab_size' must be an integer in 1..vocab_size={vocab}, got {draft_vocab!r}"
+        )
+    return draft_vocab
+
+
+def _head_dim(raw: dict, hidden: int, heads: int, reader: _FieldReader) -> int:
+    """The attention heads' width: given, or hidden_size split evenly among the heads; even for RoPE."""
+    if raw.get("head_dim") is None and hidden % heads:
+        raise EDSDError(f"{reader.source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                        "(give 'head_dim' explicitly if the attention width differs from hidden_size)")
+    head_dim = reader.optional(raw, "head_dim", int, hidden // heads)
+    if head_dim % 2:
+        raise EDSDError(f"{reader.source}: field 'head_dim' must be even (RoPE rotates pairs), got {head_dim}")
+    return head_dim
+
+
+def _kv_heads(raw: dict, heads: int, reader: _FieldReader) -> int:
+    """The key/value heads (all heads unless given): each serves a whole group of query heads."""
+    kv_heads = reader.optional(raw, "num_key_value_heads", int, heads)
+    if heads % kv_heads:
+        raise EDSDError(
+            f"{reader.source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    return kv_heads
+
+
+def _layer_id_convention(edsd: dict, override: str | None, source: str) -> str:
+    """The convention of the file's aux layer ids: ``override`` (``--layer-id-convention``), else the recorded one."""
+    convention = override or edsd.get("aux_layer_id_convention")
+    if convention is None:
+        raise EDSDError(
+            f"{source}: field 'edsd_config.aux_layer_id_convention' is missing; pass "
+            f"--layer-id-convention {LAYER_INPUT}|{LAYER_OUTPUT} (SpecForge checkpoints record "
+            f"'{LAYER_OUTPUT}': the output of layer i, which is vLLM's id i+1)"
+        )
+    if convention not in LAYER_ID_CONVENTIONS:
+        raise EDSDError(
+            f"{source}: aux layer id convention {convention!r} is not one of {LAYER_ID_CONVENTIONS}"
+        )
+    return convention
+
+
+def _vllm_aux_layer_ids(edsd: dict, override: str | None, source: str) -> tuple[int, int]:
+    """The two aux layer ids, translated into vLLM's convention and sorted."""
+    convention = _layer_id_convention(edsd, override, source)
+    ids = edsd.get("aux_layer_ids")
+    if not isinstance(ids, (list, tuple)) or len(ids) != 2 or not all(is_int(i) and i >= 0 for i in ids):
+        raise EDSDError(
+            f"{source}: field 'edsd_config.aux_layer_ids' must list exactly two non-negative "
+            f"target layer ids, got {ids!r}"
+        )
+    shift = 1 if convention == LAYER_OUTPUT else 0
+    low, high = sorted(i + shift for i in ids)
+    if low == high:
+        raise EDSDError(f"{source}: field 'edsd_config.aux_layer_ids' names the same layer twice: {ids!r}")
+    return low, high
+
+
+def _dtype(raw: dict, source: str) -> str:
+    """The weights' dtype (transformers 4 writes ``torch_dtype``, 5 ``dtype``), float32 unless given."""
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if dtype not in SUPPORTED_DTYPES:
+        raise EDSDError(f"{source}: field 'torch_dtype' is {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return dtype
+
+
+def _hidden_act(raw: dict, source: str) -> str:
+    """The MLP's activation: only silu, the draft layer's SwiGLU."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise EDSDError(f"{source}: field 'hidden_act' is {act!r}; the EDSD draft layer is a SwiGLU (silu)")
+    return act
+
+
+def _token_norm_folded(edsd: dict, source: str) -> bool:
+    """Whether the token norm is folded into a draft-owned embedding table (``edsd convert --fold-token-norm``)."""
+    folded = edsd.get("token_norm_folded", False)
+    if not isinstance(folded, bool):
+        raise EDSDError(f"{source}: field 'edsd_config.token_norm_folded' must be true or false")
+    return folded
+
+
+def _token_norm(edsd: dict, source: str) -> str:
+    """EDFuse's norm of the token embedding; a config without the field predates it and had a LayerNorm."""
+    token_norm = edsd.get("token_norm", LEGACY_TOKEN_NORM)
+    if token_norm not in TOKEN_NORMS:
+        raise EDSDError(
+            f"{source}: field 'edsd_config.token_norm' is {token_norm!r}; supported: {', '.join(TOKEN_NORMS)}"
+        )
+    return token_norm
+
+
 ROPE_SCALING_FIELDS = {  # what each scaled RoPE reads, beyond rope_theta
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -471,7 +545,7 @@ def rope_parameters_of(raw: dict, source: str = "config.json") -> dict:
     needed = ("rope_theta", *ROPE_SCALING_FIELDS.get(params["rope_type"], ()))
     for key in needed:
         value = params.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if not (is_int(value) or isinstance(value, float)) or not math.isfinite(value) or value <= 0:
             what = "missing" if key not in params else f"{value!r}"
             raise EDSDError(f"{source}: {params['rope_type']} RoPE needs '{key}' as a positive number, got {what}")
     if params["rope_type"] == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
@@ -500,4 +574,8 @@ def decoder_layers(path: str | Path) -> int:
     """A target's number of decoder layers (vLLM's aux id of the last layer's output), from
     its config.json (a multimodal model's text config)."""
     config = read_config_json(path)
-    return (config.get("text_config") or config)["num_hidden_layers"]
+    layers = (config.get("text_config") or config).get("num_hidden_layers")
+    source = Path(path) / "config.json"
+    if layers is None:
+        raise EDSDError(f"{source}: missing field 'num_hidden_layers' (the target's number of decoder layers)")
+    return check_size(layers, f"{source}: field 'num_hidden_layers'")

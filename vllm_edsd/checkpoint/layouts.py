@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_edsd.checkpoint.config import LAYER_OUTPUT, RMSNORM, EDSDConfig, read_config_json
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, is_int
 
 
 @dataclass(frozen=True)
@@ -85,11 +85,7 @@ def _specforge_config(raw: dict, source: str) -> dict:
         raise EDSDError(
             f"{source}: missing field 'target_layer_ids' (SpecForge EDSD drafters record their two target layers there)"
         )
-    if (
-        not isinstance(ids, list)
-        or len(ids) != 2
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
-    ):
+    if not isinstance(ids, list) or len(ids) != 2 or not all(is_int(i) and i >= 0 for i in ids):
         raise EDSDError(
             f"{source}: field 'target_layer_ids' must list exactly two non-negative target layer ids, got {ids!r}"
         )

@@ -82,11 +82,16 @@ class Summary:
                     "--verifier NAME_OR_PATH or --target DIR to write the speculators block (docs/formats.md)")
         return f"vllm serve {self.dst}  (loads the verifier {self.speculators.verifier}; speculators format)"
 
+    def _target_checked(self) -> str:
+        """What was checked against the target: its sizes, and its layers where its config counts them."""
+        if self.target is None:
+            return "not checked (pass --target)"
+        layers = self.target.num_hidden_layers
+        return (f"checked: vocab {self.target.vocab_size}, hidden {self.target.hidden_size}, "
+                + ("layer count not in its config.json (aux layer ids unchecked)" if layers is None
+                   else f"{layers} layers"))
+
     def render(self) -> str:
-        target = "not checked (pass --target)" if self.target is None else (
-            f"checked: vocab {self.target.vocab_size}, hidden {self.target.hidden_size}, "
-            f"{self.target.num_hidden_layers} layers"
-        )
         norm = f"{self.token_norm}, " + (
             "folded into a draft-owned embedding table" if self.folded else "kept; embedding shared with the target"
         )
@@ -101,7 +106,7 @@ class Summary:
                 f"{self.vllm_layer_ids} in vLLM's convention",
                 f"token norm  {norm}",
                 f"embedding   {self.embedding}",
-                f"target      {target}",
+                f"target      {self._target_checked()}",
                 f"serve with  --speculative-config {json.dumps(spec)}",
                 f"or alone    {self._served_alone()}",
             ]
@@ -124,11 +129,8 @@ def resolve_source(src: Path) -> Path:
 
 
 def _target_fingerprint(raw: dict, target: str | Path) -> TargetFingerprint:
-    text = raw.get("text_config") or raw
-    try:
-        return TargetFingerprint.from_hf_config(text)
-    except (KeyError, TypeError, ValueError):
-        raise EDSDError(f"{target}/config.json: lacks vocab_size, hidden_size or num_hidden_layers") from None
+    """The target's fingerprint from its config.json (a multimodal model's text config)."""
+    return TargetFingerprint.from_hf_config(raw.get("text_config") or raw, f"{target}/config.json")
 
 
 def _target_embedding(target: str | Path) -> torch.Tensor:
@@ -232,6 +234,115 @@ def _source_layout(src: Path, raw: dict, shapes: dict) -> Layout:
     return layout
 
 
+def _check_options(dtype: str | None, target: str | Path | None, fold_token_norm: bool,
+                   layer_id_convention: str | None, verifier: str | None, num_speculative_tokens: int) -> None:
+    """Refuse bad options before anything is read."""
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        raise EDSDError(f"--dtype {dtype!r} is not supported; choose from {', '.join(SUPPORTED_DTYPES)}")
+    if layer_id_convention is not None and layer_id_convention not in LAYER_ID_CONVENTIONS:
+        raise EDSDError(f"--layer-id-convention {layer_id_convention!r}: choose from {', '.join(LAYER_ID_CONVENTIONS)}")
+    if fold_token_norm and target is None:
+        raise EDSDError("--fold-token-norm needs --target: the folded table is built from the target's embedding")
+    check_speculative_tokens(num_speculative_tokens, "--num-speculative-tokens")
+    if verifier is not None and not verifier.strip():
+        raise EDSDError("--verifier: give the target model's directory or model hub id")
+
+
+@dataclass(frozen=True)
+class SourceCheckpoint:
+    """A drafter to convert, validated before any tensor is read: its layout, its config (aux
+    layer ids in vLLM's convention), its tensors' shapes, and its aux layer ids as it records them."""
+
+    path: Path
+    layout: Layout
+    cfg: EDSDConfig
+    shapes: dict
+    layer_ids: list[int]
+    convention: str
+
+    @classmethod
+    def read(cls, src: Path, layer_id_convention: str | None) -> SourceCheckpoint:
+        """``src``'s config and tensor header, checked against each other; ``layer_id_convention``
+        overrides the convention the config records."""
+        raw = read_config_json(src)
+        shapes = tensor_shapes(src)
+        layout = _source_layout(src, raw, shapes)
+        translated = layout.translate_config(raw, f"{src}/config.json")
+        cfg = EDSDConfig.from_dict(translated, source=f"{src}/config.json", layer_id_convention=layer_id_convention)
+        if cfg.token_norm_folded:
+            raise EDSDError(f"{src}/config.json: edsd_config.token_norm_folded is true in a training checkpoint")
+        edsd = translated["edsd_config"]
+        convention = layer_id_convention or edsd["aux_layer_id_convention"]
+        check_tensors(cfg, shapes, layout, source=str(src))
+        return cls(src, layout, cfg, shapes, list(edsd["aux_layer_ids"]), convention)
+
+    def canonical_tensors(self, progress: Callable[[Iterable, int], Iterable] | None) -> dict[str, torch.Tensor]:
+        """Every tensor under its canonical name, RoPE caches left out; weights must be finite floats."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in (progress or (lambda it, n: it))(iter_tensors(self.path), len(self.shapes)):
+            if name.endswith(ROPE_CACHES):
+                continue  # recomputed from the config by every reader
+            if name not in ("d2t", "t2d"):
+                if not tensor.is_floating_point():
+                    raise EDSDError(f"{self.path}: tensor '{name}' has dtype {tensor.dtype}; "
+                                    "weights must be floating point")
+                if not torch.isfinite(tensor).all():
+                    raise EDSDError(f"{self.path}: tensor '{name}' contains NaN or Inf")
+            tensors[self.layout.names.to_canonical(name)] = tensor
+        return tensors
+
+    def provenance(self) -> dict:
+        """The metadata the output records: who converted it, from what."""
+        return {
+            "converter": {"name": CONVERTER_NAME, "version": __version__},
+            "source": {
+                "path": provenance(self.path),
+                "layout": self.layout.name,
+                "aux_layer_ids": self.layer_ids,
+                "aux_layer_id_convention": self.convention,
+            },
+        }
+
+
+def _shared_embedding(own: torch.Tensor | None, target_table: torch.Tensor | None, source: str,
+                      target: str | Path | None) -> str:
+    """How the summary describes the embedding vLLM shares with the target, after checking a
+    drafter's own copy against the target's table where there is one."""
+    if own is None:
+        return "none in the checkpoint; vLLM shares the target's"
+    if target_table is None:
+        return f"'{EMBEDDING}' dropped, vLLM shares the target's (not compared: pass --target)"
+    _check_same_embedding(own, target_table, source, target)
+    return f"'{EMBEDDING}' equals the target's; dropped, vLLM shares the target's"
+
+
+def _folded_embedding(target_table: torch.Tensor, tensors: dict[str, torch.Tensor], cfg: EDSDConfig,
+                      target: str | Path) -> EDSDConfig:
+    """Put the folded table (token norm of the target's embedding) into ``tensors``; the config says so."""
+    if tuple(target_table.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise EDSDError(
+            f"{target}: embedding table has shape {list(target_table.shape)}, "
+            f"expected {[cfg.vocab_size, cfg.hidden_size]}"
+        )
+    tensors[EMBEDDING] = _fold_token_norm(target_table, tensors, cfg)
+    return cfg.with_updates(token_norm_folded=True)
+
+
+def _place_embedding(tensors: dict[str, torch.Tensor], cfg: EDSDConfig, target: str | Path | None,
+                     fold_token_norm: bool, source: str) -> tuple[EDSDConfig, str]:
+    """The drafter's own copy of the embedding is dropped (vLLM shares the target's), or, with
+    ``fold_token_norm``, replaced by the folded table. Returns the config and the summary's line."""
+    own_embedding = tensors.pop(EMBEDDING, None)
+    target_table = (
+        _target_embedding(target) if target is not None and (fold_token_norm or own_embedding is not None) else None
+    )
+    embedding = _shared_embedding(own_embedding, target_table, source, target)
+    if fold_token_norm:
+        cfg = _folded_embedding(target_table, tensors, cfg, target)
+        embedding = f"the drafter's own: {cfg.token_norm}(target embedding), {cfg.vocab_size:,} rows"
+    return cfg, embedding
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -251,89 +362,35 @@ def convert(
     alone, ``vllm serve DST`` (docs/formats.md, "Speculators format")."""
     src, dst = resolve_source(Path(src)), Path(dst)
     source = str(src)
-    if dtype is not None and dtype not in SUPPORTED_DTYPES:
-        raise EDSDError(f"--dtype {dtype!r} is not supported; choose from {', '.join(SUPPORTED_DTYPES)}")
-    if layer_id_convention is not None and layer_id_convention not in LAYER_ID_CONVENTIONS:
-        raise EDSDError(f"--layer-id-convention {layer_id_convention!r}: choose from {', '.join(LAYER_ID_CONVENTIONS)}")
-    if fold_token_norm and target is None:
-        raise EDSDError("--fold-token-norm needs --target: the folded table is built from the target's embedding")
-    check_speculative_tokens(num_speculative_tokens, "--num-speculative-tokens")
-    if verifier is not None and not verifier.strip():
-        raise EDSDError("--verifier: give the target model's directory or model hub id")
+    _check_options(dtype, target, fold_token_norm, layer_id_convention, verifier, num_speculative_tokens)
     _check_destination(dst, force)
-    raw = read_config_json(src)
-    shapes = tensor_shapes(src)
-    layout = _source_layout(src, raw, shapes)
-    translated = layout.translate_config(raw, f"{src}/config.json")
-    cfg = EDSDConfig.from_dict(translated, source=f"{src}/config.json", layer_id_convention=layer_id_convention)
-    if cfg.token_norm_folded:
-        raise EDSDError(f"{src}/config.json: edsd_config.token_norm_folded is true in a training checkpoint")
-    convention = layer_id_convention or translated["edsd_config"]["aux_layer_id_convention"]
-    source_ids = list(translated["edsd_config"]["aux_layer_ids"])
-
-    check_tensors(cfg, shapes, layout, source=source)
-    fingerprint, target_raw = None, None
+    checkpoint = SourceCheckpoint.read(src, layer_id_convention)
+    cfg, fingerprint, target_raw = checkpoint.cfg, None, None
     if target is not None:
         target_raw = read_config_json(target)
         fingerprint = _target_fingerprint(target_raw, target)
         cfg.check_target(fingerprint, drafter=source)
         cfg = cfg.with_updates(target=fingerprint)
-    out_dtype = dtype or cfg.torch_dtype
 
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in (progress or (lambda it, n: it))(iter_tensors(src), len(shapes)):
-        if name.endswith(ROPE_CACHES):
-            continue  # recomputed from the config by every reader
-        if name not in ("d2t", "t2d"):
-            if not tensor.is_floating_point():
-                raise EDSDError(f"{source}: tensor '{name}' has dtype {tensor.dtype}; weights must be floating point")
-            if not torch.isfinite(tensor).all():
-                raise EDSDError(f"{source}: tensor '{name}' contains NaN or Inf")
-        tensors[layout.names.to_canonical(name)] = tensor
+    tensors = checkpoint.canonical_tensors(progress)
     check_vocab_mapping(tensors.get("d2t"), tensors.get("t2d"), cfg.vocab_size, cfg.draft_vocab_size, source)
+    cfg, embedding = _place_embedding(tensors, cfg, target, fold_token_norm, source)
 
-    own_embedding = tensors.pop(EMBEDDING, None)
-    target_table = (
-        _target_embedding(target) if target is not None and (fold_token_norm or own_embedding is not None) else None
-    )
-    if own_embedding is None:
-        embedding = "none in the checkpoint; vLLM shares the target's"
-    elif target_table is None:
-        embedding = f"'{EMBEDDING}' dropped, vLLM shares the target's (not compared: pass --target)"
-    else:
-        _check_same_embedding(own_embedding, target_table, source, target)
-        embedding = f"'{EMBEDDING}' equals the target's; dropped, vLLM shares the target's"
-    if fold_token_norm:
-        if tuple(target_table.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise EDSDError(
-                f"{target}: embedding table has shape {list(target_table.shape)}, "
-                f"expected {[cfg.vocab_size, cfg.hidden_size]}"
-            )
-        tensors[EMBEDDING] = _fold_token_norm(target_table, tensors, cfg)
-        cfg = cfg.with_updates(token_norm_folded=True)
-        embedding = f"the drafter's own: {cfg.token_norm}(target embedding), {cfg.vocab_size:,} rows"
-
+    out_dtype = dtype or cfg.torch_dtype
     cfg = cfg.with_updates(
         torch_dtype=out_dtype,
         speculators=_speculators(verifier, target, target_raw, num_speculative_tokens),
-        metadata={
-            "converter": {"name": CONVERTER_NAME, "version": __version__},
-            "source": {
-                "path": provenance(src),
-                "layout": layout.name,
-                "aux_layer_ids": source_ids,
-                "aux_layer_id_convention": convention,
-            },
-        },
+        metadata=checkpoint.provenance(),
     )
     out = cast_floating(EDSD_VLLM.rename_from_canonical(tensors), DTYPES[out_dtype])
     with atomic_directory(dst, force=force, replaceable=_check_replaceable) as tmp:
         write_checkpoint(tmp, EDSD_VLLM.config_json(cfg), out)
     return Summary(
-        src=source, dst=str(dst), layout=layout.describe, dtype=out_dtype,
+        src=source, dst=str(dst), layout=checkpoint.layout.describe, dtype=out_dtype,
         parameters=sum(t.numel() for n, t in out.items() if t.is_floating_point() and n != EMBEDDING),
         vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
-        source_layer_ids=source_ids, source_convention=convention, vllm_layer_ids=list(cfg.aux_layer_ids),
-        token_norm=cfg.token_norm, folded=cfg.token_norm_folded, embedding=embedding, target=fingerprint,
-        num_speculative_tokens=num_speculative_tokens, speculators=cfg.speculators,
+        source_layer_ids=checkpoint.layer_ids, source_convention=checkpoint.convention,
+        vllm_layer_ids=list(cfg.aux_layer_ids), token_norm=cfg.token_norm, folded=cfg.token_norm_folded,
+        embedding=embedding, target=fingerprint, num_speculative_tokens=num_speculative_tokens,
+        speculators=cfg.speculators,
     )

@@ -25,7 +25,14 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.checkpoint.config import RMSNORM, TOKEN_NORMS, EDSDConfig, read_config_json
+from vllm_edsd.checkpoint.config import (
+    RMSNORM,
+    TOKEN_NORMS,
+    EDSDConfig,
+    TargetFingerprint,
+    decoder_layers,
+    read_config_json,
+)
 from vllm_edsd.checkpoint.files import replace_file
 from vllm_edsd.data import load_conversations, load_sharegpt
 from vllm_edsd.errors import EDSDError
@@ -335,7 +342,8 @@ def build_model(args, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t,
     edsd_layers = layers if args.method == "edsd" else layers[:2]
     cfg = EDSDConfig.for_target(cfg_raw, edsd_layers, draft_vocab_size=draft_vocab,
                                 fuse_intermediate_size=args.fuse_intermediate_size,
-                                intermediate_size=args.intermediate_size, token_norm=args.token_norm)
+                                intermediate_size=args.intermediate_size, token_norm=args.token_norm,
+                                source=f"{args.target}/config.json")
     torch.manual_seed(args.seed)
     model = EDSDDraftModel(cfg) if args.method == "edsd" else Eagle3DraftModel(cfg, layers)
     with torch.no_grad():
@@ -421,10 +429,11 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
     deterministic)."""
     out, device = Path(args.out), device or args.device
     cfg_raw = read_config_json(args.target)
-    text_cfg = cfg_raw.get("text_config") or cfg_raw
-    layers = resolve_layers(args, text_cfg["num_hidden_layers"])
-    feature_layers = resolve_feature_layers(args.feature_layers, layers, text_cfg["num_hidden_layers"])
-    check_numbers(args, text_cfg["vocab_size"])
+    target = TargetFingerprint.from_hf_config(cfg_raw.get("text_config") or cfg_raw, f"{args.target}/config.json")
+    target_layers = decoder_layers(args.target)
+    layers = resolve_layers(args, target_layers)
+    feature_layers = resolve_feature_layers(args.feature_layers, layers, target_layers)
+    check_numbers(args, target.vocab_size)
     from transformers.utils import logging
 
     if not world.main:  # progress bars on rank 0 only
@@ -432,7 +441,7 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
     cache = Path(args.cache) if args.cache else out / "cache"
     samples, read, skipped = training_samples(args, cache, world)
     counts = answer_token_counts(samples)
-    vocab = text_cfg["vocab_size"]
+    vocab = target.vocab_size
     d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
     # vLLM's extraction runs (and frees its memory) before transformers loads the target
     shards = feature_shards(args, samples, feature_layers, cache, world, device)
@@ -453,7 +462,7 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
         print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
               f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
               + (f", {world.size} data-parallel processes ({world.data_parallel})" if world.size > 1 else ""))
-    columns = None if feature_layers == layers else aux_columns(feature_layers, layers, text_cfg["hidden_size"])
+    columns = None if feature_layers == layers else aux_columns(feature_layers, layers, target.hidden_size)
     return Job(model, shards, draft_head, recipe, columns)
 
 
