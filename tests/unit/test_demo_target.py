@@ -78,3 +78,21 @@ def test_corrupt_gguf_is_one_clear_error_and_writes_nothing(tmp_path):
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == [GGUF_NAME]
     shutil.rmtree(tmp_path)
+
+
+def test_the_demo_is_never_silent_for_long(capsys):
+    """`edsd demo` says what starts, that it is still going while it lasts, and how long it took;
+    a step that fails is not reported done."""
+    import time
+
+    from vllm_edsd.demo import heartbeat
+
+    with heartbeat("edsd: starting vLLM", every=0.05):
+        time.sleep(0.23)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "edsd demo: edsd: starting vLLM..."
+    assert sum(line.startswith("  ... edsd: starting vLLM: ") for line in lines) >= 3
+    assert lines[-1].startswith("  edsd: starting vLLM: done in ")
+    with pytest.raises(RuntimeError), heartbeat("failing", every=0.05):
+        raise RuntimeError("engine died")
+    assert "done" not in capsys.readouterr().out

@@ -10,8 +10,11 @@ from ShareGPT on PyPI, ship in ``vllm_edsd/assets/demo``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_edsd.errors import EDSDError
@@ -96,6 +99,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 DEMO_DTYPE = "float32"
 
 
+HEARTBEAT_S = 25.0  # the longest the demo stays silent while it works
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = HEARTBEAT_S) -> Iterator[None]:
+    """Say that ``what`` starts, that it is still going every ``every`` seconds, and how long it
+    took: an engine start on a CPU is minutes of vLLM's silence."""
+    print(f"edsd demo: {what}...", flush=True)
+    done, start = threading.Event(), time.time()
+
+    def tick() -> None:
+        while not done.wait(every):
+            print(f"  ... {what}: {time.time() - start:.0f} s", flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+    print(f"  {what}: done in {time.time() - start:.0f} s", flush=True)
+
+
 def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) -> dict:
     """One greedy reply: its text and token ids, and with ``top2`` the target's top-2 logit
     margin at each position (a difference of log-probabilities is one of logits)."""
@@ -111,22 +138,25 @@ def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) ->
     return reply
 
 
-def _measure_server(target: str, spec: dict | None, max_tokens: int) -> dict:
+def _measure_server(name: str, target: str, spec: dict | None, max_tokens: int) -> dict:
     import requests
 
     from vllm_edsd.launch.engine import parse_prometheus_counters
     from vllm_edsd.launch.server import running_server
 
-    with running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE]) as base:
-        _chat_server(base, "Hello!", 8)  # warm-up
-        before = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
-        start = time.time()
-        replies = [_chat_server(base, prompt, max_tokens) for _, prompt in DEMO_PROMPTS]
-        elapsed = time.time() - start
-        counters = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text) - before
-        margins = (
-            [_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS] if spec is None else None
-        )
+    with contextlib.ExitStack() as stack:
+        with heartbeat(f"{name}: starting vLLM's server (~1 min on a CPU, more the first time)"):
+            base = stack.enter_context(
+                running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE]))
+            _chat_server(base, "Hello!", 8)  # warm-up
+        with heartbeat(f"{name}: {len(DEMO_PROMPTS)} prompts, one at a time"):
+            before = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
+            start = time.time()
+            replies = [_chat_server(base, prompt, max_tokens) for _, prompt in DEMO_PROMPTS]
+            elapsed = time.time() - start
+            counters = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text) - before
+            margins = ([_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS]
+                       if spec is None else None)
     return _result(replies, elapsed, counters, margins)
 
 
@@ -136,7 +166,7 @@ def _result(replies: list[dict], elapsed: float, counters, margins: list[list[fl
             "margins": margins}
 
 
-def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
+def _measure_offline(name: str, target: str, spec: dict | None, max_tokens: int) -> dict:
     from vllm import SamplingParams
 
     from vllm_edsd.launch.engine import llm_session, spec_counters
@@ -144,8 +174,11 @@ def _measure_offline(target: str, spec: dict | None, max_tokens: int) -> dict:
     def chat(prompt: str, params: SamplingParams):
         return llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
 
-    with llm_session(target, spec, dtype=DEMO_DTYPE) as llm:
-        chat("Hello!", SamplingParams(max_tokens=8))
+    with contextlib.ExitStack() as stack:
+        with heartbeat(f"{name}: starting vLLM's engine (~1 min on a CPU, more the first time)"):
+            llm = stack.enter_context(llm_session(target, spec, dtype=DEMO_DTYPE))
+            chat("Hello!", SamplingParams(max_tokens=8))
+        stack.enter_context(heartbeat(f"{name}: {len(DEMO_PROMPTS)} prompts, one at a time"))
         before, start = spec_counters(llm), time.time()
         outputs = [chat(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)) for _, prompt in DEMO_PROMPTS]
         elapsed = time.time() - start  # one at a time: batch size 1
@@ -185,10 +218,10 @@ def run(args: argparse.Namespace) -> int:
           + f"serving through {how}, {DEMO_DTYPE}, K={args.k}, greedy, batch size 1; one engine per method "
           f"(each takes ~1 min to start on a CPU, a few more the first time: torch.compile)\n")
     with sigterm_as_interrupt():  # a SIGTERM stops the server or engine running, as Ctrl-C does
-        results = {"none": measure(paths["target"], None, args.max_tokens)}
+        results = {"none": measure("none", paths["target"], None, args.max_tokens)}
         for method in methods:
             results[method] = measure(
-                paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
+                method, paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
             )
     shown = "edsd" if "edsd" in results else methods[0]
     for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
