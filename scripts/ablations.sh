@@ -6,8 +6,8 @@
 #   bash scripts/ablations.sh 2          the first two rows only
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh >/dev/null
 export PYTHONPATH=$PWD
+.venv/bin/python -c "import vllm, vllm_edsd" 2>/dev/null || bash scripts/setup.sh >/dev/null  # set up if needed
 # Batch stages on a CPU: vLLM's KV cache is a fraction of the NUMA node; 0.25 holds 4 sequences of
 # the demo target on a 10-GiB node, 0.6 about 50 (4.5x the regeneration throughput, measured).
 export EDSD_CPU_MEMORY_FRACTION=${EDSD_CPU_MEMORY_FRACTION:-0.6}
@@ -16,8 +16,8 @@ LAYERS=1,20,29  # besides EDSelect's and EAGLE-3's (2, 15, 27): every row's laye
 COSINE="--lr-schedule cosine --weight-decay 0"
 ROWS=(
   "edsd|$COSINE"                              # the paper's recipe: EDSelect's layers, annealed
-  "eagle3|$COSINE"                            # EAGLE-3 with the same optimizer
   "edsd|--layers 1,20"                        # the shipped recipe and layers
+  "eagle3|$COSINE"                            # EAGLE-3 with the same optimizer
   "eagle3|"                                   # the shipped EAGLE-3 recipe
   "edsd|"                                     # EDSelect's layers, the shipped optimizer
   "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream
