@@ -123,12 +123,17 @@ def resolve_source(src: Path) -> Path:
     return max(saves)[1]
 
 
+TARGET_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers")  # what a drafter must fit
+
+
 def _target_fingerprint(raw: dict, target: str | Path) -> TargetFingerprint:
     text = raw.get("text_config") or raw
     try:
         return TargetFingerprint.from_hf_config(text)
     except (KeyError, TypeError, ValueError):
-        raise EDSDError(f"{target}/config.json: lacks vocab_size, hidden_size or num_hidden_layers") from None
+        found = {key: text.get(key) for key in TARGET_SIZES} if isinstance(text, dict) else text
+        raise EDSDError(f"{target}/config.json: lacks vocab_size, hidden_size or num_hidden_layers as integers "
+                        f"(found {found})") from None
 
 
 def _target_embedding(target: str | Path) -> torch.Tensor:
