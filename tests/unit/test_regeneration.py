@@ -112,3 +112,22 @@ def test_engine_arguments_need_vllm():
         cli.generation_backend("transformers", {"tensor_parallel_size": 2})
     with pytest.raises(EDSDError, match="unknown regeneration backend"):
         cli.generation_backend("sglang")
+
+
+def test_a_target_without_a_chat_template_is_refused_in_one_line(tmp_path, capsys):
+    """A base model (no chat template) cannot answer chats: `edsd regenerate` says what to do
+    in one line before any work, not transformers' traceback, and writes nothing."""
+    from vllm_edsd.cli import main
+
+    base = make_target(tmp_path / "base", chat_template=False)
+    data, out = tmp_path / "chats.jsonl", tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats(3)))
+    capsys.readouterr()  # building the target logs its own progress
+    assert main(["regenerate", str(base), "--out", str(out), "--data", str(data), "--answer-tokens", "4",
+                 "--backend", "transformers", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith(f"edsd regenerate: error: {base}: its tokenizer has no chat template (a base model?)")
+    assert "give it one" in err and "--data" in err
+    assert not out.exists() and not (tmp_path / "regenerate-cache").exists()
+

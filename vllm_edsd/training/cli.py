@@ -240,12 +240,14 @@ def regenerate(
     everything its answers depend on (``regenerated_paths``): a rerun regenerates only the
     chunks not yet written, and a run with other inputs never reuses stale answers. The backend
     and ``engine_args`` (vLLM's ``LLM(...)``: tensor parallelism...) change how, not what, is
-    computed (greedy answers differ only at near-ties of the two numerics)."""
+    computed (greedy answers differ only at near-ties of the two numerics). A target without a
+    chat template is refused before any work (``require_chat_template``)."""
     chunks = [conversations[i : i + REGENERATE_CHUNK] for i in range(0, len(conversations), REGENERATE_CHUNK)]
     paths = regenerated_paths(target, chunks, cache_dir, max_tokens)
     missing = [i for i, path in enumerate(paths) if not path.exists()]
     if missing:
         backend = generation_backend(backend, engine_args)
+        require_chat_template(target)
         cache_dir.mkdir(parents=True, exist_ok=True)
         per_call = CHUNKS_PER_CALL[backend]
         with replier(backend, target, max_tokens, engine_args, device) as reply:
@@ -274,6 +276,20 @@ def regenerated_paths(target: str, chunks: list[list], cache_dir: Path, max_toke
     identity = [str(Path(target).resolve()), checkpoint_fingerprint(target), templates, max_tokens]
     keys = [hashlib.sha256(json.dumps([*identity, chunk]).encode()).hexdigest()[:16] for chunk in chunks]
     return [cache_dir / f"regenerated-{key}.jsonl" for key in keys]
+
+
+def require_chat_template(target: str) -> None:
+    """Regeneration has the target answer chats, which its chat template turns into prompts
+    (vLLM's ``LLM.chat`` and ``greedy_replies`` alike): a target without one, as most base
+    models are, is refused in one line saying what to do, instead of transformers' traceback
+    mid-run."""
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(target).chat_template is None:
+        raise EDSDError(f"{target}: its tokenizer has no chat template (a base model?), and regeneration has the "
+                        "target answer chats; give it one (a chat_template.jinja, or 'chat_template' in its "
+                        "tokenizer_config.json), or skip regeneration and train on conversations whose answers are "
+                        "already written (--data)")
 
 
 def generation_backend(backend: str, engine_args: dict | None = None) -> str:
