@@ -131,8 +131,9 @@ def build_setup(args: argparse.Namespace) -> Setup:
 
         try:
             paths = demo_paths()
-        except EDSDError:
-            raise EDSDError("no demo models in this installation; pass --target (and --edsd/--eagle3)") from None
+        except EDSDError as exc:
+            raise EDSDError(f"no demo models in this installation ({exc}); "
+                            "pass --target (and --edsd/--eagle3)") from exc
         target = paths["target"]
         drafters = {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters
     requested = (args.methods or (",".join(draft_cost.METHODS) if args.suite == draft_cost.SUITE

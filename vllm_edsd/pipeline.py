@@ -120,7 +120,9 @@ def read_toml(path: Path) -> dict:
     try:
         return tomllib.loads(path.read_text())
     except OSError as exc:
-        raise EDSDError(f"{path}: cannot read the config ({exc.strerror})") from None
+        raise EDSDError(f"{path}: cannot read the config ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise EDSDError(f"{path}: not a text file, so not a TOML config ({exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise EDSDError(f"{path}: not valid TOML ({exc})") from None
 

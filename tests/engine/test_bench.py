@@ -1,5 +1,5 @@
-"""``python -m bench all --quick`` on toy models: every suite runs, and the report is
-consistent with results.json. Benchmarks are not tests: no timing is asserted."""
+"""``python -m bench all --quick`` on toy models: every suite runs, and the report's rows
+carry results.json's values. Benchmarks are not tests: no timing is asserted."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-
-from bench.report import render
+from support.report_tables import mismatches
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +89,11 @@ def test_latency_rows_from_raw_timings(bench_run):
 
 
 def test_report_and_plots(bench_run):
+    """Every run of results.json is its row of report.md, in order, with its numbers (read back
+    from the markdown, within the report's rounding)."""
     results = json.loads((bench_run / "results.json").read_text())
     report = (bench_run / "report.md").read_text()
-    assert report == render(results)
+    assert mismatches(report, results) == []
     for heading in ("Acceptance", "Throughput", "Latency", "Robustness", "Mixed batch"):
         assert f"## {heading}" in report
     for png in ("acceptance_per_position.png", "speedup_vs_batch.png", "latency_vs_rate.png"):

@@ -63,12 +63,10 @@ def serve(paths, engine_runs, method: str | None) -> dict:
 
 
 def test_demo_prompts_are_in_no_training_data():
-    import tomllib
-
     from vllm_edsd.demo.build import PIPELINE
-    from vllm_edsd.pipeline import drafter_prompts
+    from vllm_edsd.pipeline import drafter_prompts, read_toml
 
-    data = tomllib.loads(PIPELINE.read_text())["data"]
+    data = read_toml(PIPELINE)["data"]  # tomllib, or tomli on Python 3.10
     trained = {m[0]["content"] for m in drafter_prompts(data["sharegpt_chat"], data["sharegpt_code"], data["seed"])}
     assert not trained & {prompt for _, prompt in DEMO_PROMPTS}
 

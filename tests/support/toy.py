@@ -28,8 +28,9 @@ def toy_corpus() -> str:
     return (Path(__file__).parent / "toy_corpus.txt").read_text()
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> None:
-    """Train a byte-level BPE and save it as a transformers fast tokenizer with a chat template."""
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path, chat_template: bool = True) -> None:
+    """Train a byte-level BPE and save it as a transformers fast tokenizer, with a chat template
+    unless ``chat_template`` is False (as a base model's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,7 +47,8 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> N
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
 
@@ -62,14 +64,16 @@ def make_target(
     vocab_size: int = 512,
     seed: int = 0,
     train_steps: int = 0,
+    chat_template: bool = True,
 ) -> Path:
     """A causal LM with a tokenizer, loadable by transformers and vLLM: random weights, or
-    with ``train_steps`` a model fitted to the toy corpus (confident where it memorised)."""
+    with ``train_steps`` a model fitted to the toy corpus (confident where it memorised); a
+    base model's tokenizer, without a chat template, where ``chat_template`` is False."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(toy_corpus().splitlines(), vocab_size, out_dir)
+    train_tokenizer(toy_corpus().splitlines(), vocab_size, out_dir, chat_template)
     common = dict(
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,

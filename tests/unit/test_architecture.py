@@ -206,3 +206,42 @@ def test_no_function_is_longer_than_the_limit():
     assert too_long == [], f"functions over {MAX_FUNCTION_LINES} lines (split them into named parts):\n" + "\n".join(
         too_long
     )
+
+
+# Standard modules Python 3.10 (pyproject's requires-python) lacks, each with its fallback.
+NEW_IN_PYTHON_3_11 = {"tomllib": "tomli"}
+IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError")
+
+
+def imported_modules(node: ast.AST) -> set[str]:
+    """The top-level modules an import statement names (none for a relative import)."""
+    if isinstance(node, ast.Import):
+        return {alias.name.split(".")[0] for alias in node.names}
+    if isinstance(node, ast.ImportFrom) and not node.level:
+        return {(node.module or "").split(".")[0]}
+    return set()
+
+
+def unguarded_imports(path: Path, modules: set[str]) -> list[int]:
+    """Lines of ``path`` that import one of ``modules`` outside a ``try`` that handles ImportError."""
+    tree = ast.parse(path.read_text(), str(path))
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                isinstance(handler.type, ast.Name) and handler.type.id in IMPORT_ERRORS for handler in node.handlers):
+            guarded.update(id(inner) for statement in node.body for inner in ast.walk(statement))
+    return [node.lineno for node in ast.walk(tree) if imported_modules(node) & modules and id(node) not in guarded]
+
+
+def test_modules_new_in_python_3_11_are_imported_with_their_fallback():
+    """Python 3.10 is supported: ``tomllib`` is imported only inside a ``try`` that falls back
+    on ImportError, and its fallback (``tomli``) is a dependency on 3.10; the tests, scripts
+    and bench included."""
+    files = [path for folder in (*PACKAGES, "tests", "scripts") for path in sorted((ROOT / folder).rglob("*.py"))]
+    unguarded = [f"{path.relative_to(ROOT)}:{line}" for path in files
+                 for line in unguarded_imports(path, set(NEW_IN_PYTHON_3_11))]
+    assert unguarded == [], f"imported without a fallback for Python 3.10: {unguarded}"
+    requirements = (ROOT / "pyproject.toml").read_text().splitlines()
+    for fallback in NEW_IN_PYTHON_3_11.values():
+        assert any(line.strip().startswith(f'"{fallback}') and "python_version < '3.11'" in line
+                   for line in requirements), f"pyproject.toml: no {fallback} requirement for Python 3.10"

@@ -237,3 +237,22 @@ def test_an_ablation_that_names_its_layers_replaces_edselects():
     assert own_layers(argv, ["--layers", "2,27"]) == ["train", "T", "--method", "edsd", "--data", "d.json"]
     eagle3 = ["train", "T", "--method", "eagle3", "--data", "d.json"]
     assert own_layers(eagle3, ["--layers", "2,15,27"]) == eagle3
+
+
+def test_the_report_rows_carry_the_values_of_results_json():
+    """A recorded run of every suite (bench/results/cpu-demo-10k): each run is its row of the
+    report, in order, with its numbers; a changed number or a missing run is found."""
+    from support.report_tables import mismatches
+
+    from bench.report import render
+
+    results = json.loads((Path(__file__).parents[2] / "bench/results/cpu-demo-10k/results.json").read_text())
+    report = render(results)
+    assert mismatches(report, results) == []
+    assert {r["suite"] for r in results["runs"]} == {"acceptance", "throughput", "latency", "robustness", "mixed"}
+    changed = json.loads(json.dumps(results))
+    next(r for r in changed["runs"] if r["suite"] == "latency")["ttft_p50_s"] += 0.01
+    assert [line.split(":")[0] for line in mismatches(report, changed)] == ["Latency row 0 TTFT p50"]
+    acceptance = sum(r["suite"] == "acceptance" for r in results["runs"])
+    del changed["runs"][0]
+    assert f"Acceptance: {acceptance} rows for {acceptance - 1} runs" in mismatches(report, changed)

@@ -288,6 +288,8 @@ def test_bad_input_is_refused(training_ckpt, tmp_path, capsys, case):
         ("no source", "no such directory"),
         ("vllm layout", "already in the vLLM layout"),
         ("other target", "does not fit the target model"),
+        ("target without sizes", "lacks vocab_size, hidden_size or num_hidden_layers as integers (found "
+                                 "{'vocab_size': 512, 'hidden_size': None, 'num_hidden_layers': 4})"),
         ("fold without target", "--fold-token-norm needs --target"),
         ("bad dtype flag", "invalid choice"),
     ],
@@ -304,6 +306,10 @@ def test_bad_files_and_flags(models, training_ckpt, tmp_path, capsys, make, expe
     elif make == "other target":
         edited_copy(training_ckpt, src)
         extra = ["--target", models["llama-narrow"]]
+    elif make == "target without sizes":
+        edited_copy(training_ckpt, src)
+        target = edited_copy(models["llama"], tmp_path / "target", edit_config=lambda c: c.pop("hidden_size"))
+        extra = ["--target", str(target)]
     elif make == "fold without target":
         edited_copy(training_ckpt, src)
         extra = ["--fold-token-norm"]

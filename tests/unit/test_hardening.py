@@ -381,3 +381,27 @@ def test_adaptive_attach_is_idempotent(models):
     assert proposer.propose == hook and isinstance(hook.__self__, DraftLengthLimiter)
     assert limiter_of(proposer) is hook.__self__
     assert hook.__self__._propose is propose
+
+
+def test_adaptive_length_without_the_drafters_entropy_is_a_clear_error():
+    """The adaptive rule reads the entropy the drafter recorded for the step's rows; a missing or
+    stale record is refused by an explicit check that ``python -O`` keeps."""
+    from torch import nn
+
+    from vllm_edsd.serving.draft_length import DraftLengthLimiter
+    from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM
+
+    model = EDSDLlamaForCausalLM.__new__(EDSDLlamaForCausalLM)
+    nn.Module.__init__(model)
+    model.last_draft_entropy = None
+    tokens = torch.tensor([5, 6, 7])
+    proposer = SimpleNamespace(model=model, propose=lambda: None, _sample_draft_tokens=lambda h, m: (tokens, None))
+    limiter = DraftLengthLimiter(proposer, model, AdaptiveDraftLength(0.2), data_parallel=False)
+    with pytest.raises(RuntimeError, match="entropy for the 3 rows of this draft step, but the drafter recorded none"):
+        limiter.sample_draft_tokens(torch.zeros(3, 8), None)
+    model.last_draft_entropy = torch.zeros(2)  # a stale record of another batch
+    with pytest.raises(RuntimeError, match="recorded 2 rows"):
+        limiter.sample_draft_tokens(torch.zeros(3, 8), None)
+    model.last_draft_entropy = torch.tensor([0.1, 2.0, 0.1])  # the middle row above -ln(0.2)
+    assert limiter.sample_draft_tokens(torch.zeros(3, 8), None)[0] is tokens
+    assert limiter.lengths.tolist() == [1, 0, 1]

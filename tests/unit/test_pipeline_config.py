@@ -153,12 +153,20 @@ def test_a_bad_config_is_one_line_naming_the_key(toy, tmp_path, capsys, change, 
     assert not (tmp_path / "work").exists()
 
 
-def test_a_config_that_is_not_toml(tmp_path, capsys):
+@pytest.mark.parametrize(("content", "message"), [
+    (b"[train\nepochs = 3\n", "not valid TOML"),
+    (b"\x89PNG\r\n\x1a\n\xff\xfe", "not a text file, so not a TOML config"),
+    (None, "cannot read the config (Is a directory)"),
+])
+def test_a_config_that_is_not_toml(tmp_path, capsys, content, message):
     config = tmp_path / "bad.toml"
-    config.write_text("[train\nepochs = 3\n")
+    if content is None:
+        config.mkdir()
+    else:
+        config.write_bytes(content)
     assert main(["pipeline", str(config)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{config}: not valid TOML" in err
+    assert err.count("\n") == 1 and f"{config}: {message}" in err
 
 
 def test_the_example_config_reads(tmp_path, capsys):

@@ -55,7 +55,35 @@ def test_disable_switch_leaves_vllm_untouched():
     assert not any(applied.values()) and "vllm-edsd: replaced" not in log
 
 
-def test_vllm_outside_the_range_is_left_untouched_with_one_warning():
-    applied, log = start_plugin("0.23.0")
-    assert not any(applied.values())
-    assert log.count("supports vLLM 0.24 up to (not including) 0.34; the installed vLLM is 0.23.0") == 1
+# On a vLLM of another version: which patches are in place, and what two speculative configs
+# give: an "edsd" request, and an n-gram one (which needs no model).
+OUTSIDE_THE_RANGE = """
+import json, sys
+import vllm
+vllm.__version__ = sys.argv[1]
+import vllm_edsd
+from vllm.config import SpeculativeConfig
+from vllm_edsd.serving.plugin import PATCHES, REFUSAL
+from vllm_edsd.serving.patching import applied
+vllm_edsd.register()
+vllm_edsd.register()
+outcomes = {}
+for method, extra in (("edsd", {"model": "/no/such/drafter"}), ("ngram", {"prompt_lookup_max": 3})):
+    try:
+        outcomes[method] = SpeculativeConfig(method=method, num_speculative_tokens=2, **extra).method
+    except Exception as exc:
+        outcomes[method] = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"patches": [p.name for p in PATCHES if applied(p)], "refusal": applied(REFUSAL), **outcomes}))
+"""
+
+
+def test_vllm_outside_the_range_refuses_edsd_by_name_and_leaves_the_rest_alone():
+    out = subprocess.run([sys.executable, "-c", OUTSIDE_THE_RANGE, "0.23.0"], capture_output=True, text=True,
+                         check=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "DEBUG"})
+    result, log = json.loads(out.stdout.strip().splitlines()[-1]), out.stdout + out.stderr
+    assert result["patches"] == [] and result["refusal"]
+    assert result["edsd"] == ("EDSDError: vllm-edsd supports vLLM 0.24 up to (not including) 0.34; "
+                              "the installed vLLM is 0.23.0")
+    assert result["ngram"] == "ngram"
+    assert log.count("supports vLLM 0.24 up to (not including) 0.34; the installed vLLM is 0.23.0; the plugin "
+                     "refuses \"method\": \"edsd\"") == 1

@@ -5,9 +5,12 @@ stay in order and whole across turns."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tests.support.toy import make_target, toy_corpus
 from vllm_edsd.errors import EDSDError
@@ -87,8 +90,44 @@ def test_regeneration_through_transformers_is_cached_and_resumed(target, tmp_pat
     assert chunk[-1]["role"] == "assistant"
 
 
+def test_the_cache_key_follows_the_weights_and_chat_template_in_the_same_directory(target, tmp_path):
+    """Retrained weights (or a new chat template) at the same path answer differently: their
+    chunks get new keys, while an untouched target keeps its own."""
+    copy = Path(shutil.copytree(target, tmp_path / "target"))
+    chunks = [chats(2), chats(2, offset=2)]
+    first = cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)
+    assert len(set(first)) == 2 and cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6) == first
+    weights = load_file(copy / "model.safetensors")
+    save_file({name: tensor + 1e-3 for name, tensor in weights.items()}, copy / "model.safetensors")  # "retrained"
+    retrained = cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)
+    assert not set(retrained) & set(first)
+    assert cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6) == retrained
+    template = next(copy / name for name in ("chat_template.jinja", "tokenizer_config.json") if (copy / name).is_file())
+    template.write_text(template.read_text().replace("<|end|>", "<|end|>\n"))
+    assert not set(cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)) & {*first, *retrained}
+
+
 def test_engine_arguments_need_vllm():
     with pytest.raises(EDSDError, match="through transformers"):
         cli.generation_backend("transformers", {"tensor_parallel_size": 2})
     with pytest.raises(EDSDError, match="unknown regeneration backend"):
         cli.generation_backend("sglang")
+
+
+def test_a_target_without_a_chat_template_is_refused_in_one_line(tmp_path, capsys):
+    """A base model (no chat template) cannot answer chats: `edsd regenerate` says what to do
+    in one line before any work, not transformers' traceback, and writes nothing."""
+    from vllm_edsd.cli import main
+
+    base = make_target(tmp_path / "base", chat_template=False)
+    data, out = tmp_path / "chats.jsonl", tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats(3)))
+    capsys.readouterr()  # building the target logs its own progress
+    assert main(["regenerate", str(base), "--out", str(out), "--data", str(data), "--answer-tokens", "4",
+                 "--backend", "transformers", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith(f"edsd regenerate: error: {base}: its tokenizer has no chat template (a base model?)")
+    assert "give it one" in err and "--data" in err
+    assert not out.exists() and not (tmp_path / "regenerate-cache").exists()
+

@@ -301,9 +301,10 @@ class _MakesDirectory:
         return os.mkdir, (str(self.path),)
 
 
-@pytest.mark.parametrize("content", ["code", "garbage"])
-def test_resume_never_unpickles_code(models, chat_data, tmp_path, capsys, content):
-    """A training state planted in --out (or a corrupt one) is one clear error; nothing in it runs."""
+@pytest.mark.parametrize(("content", "reason"), [("code", "GLOBAL posix.mkdir"), ("garbage", None)])
+def test_resume_never_unpickles_code(models, chat_data, tmp_path, capsys, content, reason):
+    """A training state planted in --out (or a corrupt one) is one clear error naming torch's
+    reason, without torch's advice to load it unsafely; nothing in it runs."""
     out, marker = tmp_path / "run", tmp_path / "unpickled"
     out.mkdir()
     if content == "code":
@@ -314,6 +315,7 @@ def test_resume_never_unpickles_code(models, chat_data, tmp_path, capsys, conten
     assert train(models, chat_data, out, "--layers", "1,3") == 2
     err = capsys.readouterr().err
     assert "not a training state this trainer wrote" in err and "Traceback" not in err
+    assert "weights_only" not in err and (reason is None or reason in err), err
     assert not marker.exists()
 
 

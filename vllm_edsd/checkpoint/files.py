@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, first_line
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -126,13 +126,30 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def torch_load_failure(exc: BaseException) -> str:
+    """What ``torch.load`` found wrong, in one line. A weights-only refusal wraps its reason (an
+    unsupported global, a bad opcode) in advice to turn ``weights_only`` off, which must stay
+    on, and a pointer to torch's documentation: the reason is what follows "WeightsUnpickler
+    error:" or, where torch leaves that out, the last line before the pointer, up to its own
+    advice."""
+    text = str(exc)
+    if not text.lstrip().startswith("Weights only load failed"):
+        return first_line(exc)
+    head, marker, tail = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (tail if marker else head).splitlines()
+             if line.strip() and not line.strip().startswith("Check the documentation")]
+    if not lines:
+        return first_line(exc)
+    return (lines[0] if marker else lines[-1]).split(". ")[0][:300]
+
+
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise EDSDError(
-            f"{file}: cannot be loaded safely as a tensor dictionary ({exc.__class__.__name__}: {exc})"
-        ) from None
+            f"{file}: cannot be loaded safely as a tensor dictionary ({type(exc).__name__}: {torch_load_failure(exc)})"
+        ) from exc
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise EDSDError(f"{file}: expected a flat dictionary of tensors")
     return state

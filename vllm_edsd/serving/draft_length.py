@@ -212,9 +212,7 @@ class DraftLengthLimiter:
         caps = self._row_caps(tokens.shape[0], tokens.device)
         keep = caps >= step
         if self.settings is not None:
-            entropy = self.model.last_draft_entropy
-            assert entropy is not None and entropy.shape[0] == tokens.shape[0], "draft entropy was not recorded"
-            keep &= entropy <= self.settings.max_entropy
+            keep &= self._step_entropy(tokens.shape[0]) <= self.settings.max_entropy
         if self.lengths is None:
             self.lengths = keep.long()
         else:  # a request that stopped stays stopped
@@ -225,6 +223,18 @@ class DraftLengthLimiter:
         if step >= self.first_stop_step and bool(((self.lengths < step) | (caps <= step)).all()):
             raise StopDrafting
         return tokens, probs
+
+    def _step_entropy(self, rows: int) -> torch.Tensor:
+        """The entropy of each row's draft distribution in this step, which the drafter's
+        ``compute_logits`` records; checked explicitly (not by ``assert``, which ``python -O``
+        drops), since a missing or stale record would cut drafts by the wrong rows."""
+        entropy = self.model.last_draft_entropy
+        if entropy is None or entropy.shape[0] != rows:
+            recorded = "none" if entropy is None else f"{entropy.shape[0]} rows"
+            raise RuntimeError(f"vllm-edsd: the adaptive draft length needs the drafter's entropy for the {rows} "
+                               f"rows of this draft step, but the drafter recorded {recorded} (its compute_logits "
+                               "did not run on this step's hidden states)")
+        return entropy
 
     def _row_caps(self, rows: int, device: torch.device) -> torch.Tensor:
         """The caps as a tensor over the proposer's rows: unbounded without caps; rows past

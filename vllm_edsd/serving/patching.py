@@ -37,6 +37,12 @@ class Patch:
     def name(self) -> str:
         return f"{self.owner.replace(':', '.')}.{self.attribute}"
 
+    @property
+    def mark(self) -> str:
+        """What a replacement carries to say which patch made it (two patches of one attribute
+        for different vLLMs are told apart)."""
+        return f"{self.name}: {self.why}"
+
     def resolve(self) -> Any:
         module, _, cls = self.owner.partition(":")
         host = importlib.import_module(module)
@@ -49,7 +55,7 @@ class Patch:
         if applied(self):
             return False
         replacement = functools.wraps(_unwrap_static(host, self.attribute))(self.replace(getattr(host, self.attribute)))
-        setattr(replacement, _MARK, self.name)
+        setattr(replacement, _MARK, self.mark)
         if isinstance(static, classmethod):
             replacement = classmethod(_drop_first_argument(replacement))
         elif isinstance(static, staticmethod):
@@ -65,7 +71,7 @@ def applied(patch: Patch) -> bool:
         current = _unwrap_static(patch.resolve(), patch.attribute)
     except (ImportError, AttributeError):
         return False
-    return getattr(current, _MARK, None) == patch.name
+    return getattr(current, _MARK, None) == patch.mark
 
 
 def _unwrap_static(host: Any, attribute: str) -> Any:

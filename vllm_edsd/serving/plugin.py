@@ -74,9 +74,6 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
     Returns the drafter's config when the drafter is a local directory (a hub id is left
     to vLLM to resolve and is checked against the target afterwards).
     """
-    version = vllm_version()
-    if not version_supported(version):
-        raise EDSDError(_range_message(version))
     unknown = sorted(set(kwargs) - known_fields)
     if unknown:
         raise EDSDError(
@@ -171,6 +168,20 @@ def _checked_speculative_init(original: Callable) -> Callable:
             drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
             if adaptive_length is not None:
                 setattr(self.draft_model_config.hf_config, draft_length.CONFIG_ATTRIBUTE, adaptive_length.as_dict())
+
+    return __init__
+
+
+def _refusing_speculative_init(original: Callable) -> Callable:
+    """``SpeculativeConfig.__init__`` on a vLLM outside the supported range: an ``"edsd"``
+    request is refused in one line naming the supported range and the installed vLLM (rather
+    than vLLM's list of the methods it knows); every other request goes to vLLM as it came."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("method") == METHOD:
+            with _errors_for_the_user():
+                raise EDSDError(_range_message(vllm_version()))
+        original(self, *args, **kwargs)
 
     return __init__
 
@@ -309,20 +320,30 @@ PATCHES: tuple[Patch, ...] = (
           only_if=lambda: on_cpu() and not cpu_sampling.platform_registers_kernels()),
     cpu_sampling.EXPAND_BATCH_TO_TOKENS,
 )
+# The one replacement on a vLLM outside the supported range, instead of all of PATCHES.
+REFUSAL = Patch("vllm.config:SpeculativeConfig", "__init__",
+                "refuse \"edsd\" by name on a vLLM outside the supported range", _refusing_speculative_init,
+                when="on a vLLM outside the supported range", at_load=False)
 
 
 def install() -> None:
     """Register the model class and the method alias in this process, once.
 
-    Nothing happens with ``VLLM_EDSD_DISABLE=1``, and nothing but one warning on a vLLM outside
-    the supported range: a plugin must never take down vLLM processes that do not use it."""
+    Nothing happens with ``VLLM_EDSD_DISABLE=1``. On a vLLM outside the supported range there is
+    one warning and one replacement (``REFUSAL``): ``"method": "edsd"`` is refused by name, and
+    every other request reaches vLLM untouched. A plugin must never take down vLLM processes
+    that do not use it."""
     global _installed
     if _installed or os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         return
     version = vllm_version()
     if not version_supported(version):
-        logger.warning("vllm-edsd: %s; the plugin leaves vLLM untouched (\"method\": \"edsd\" is unavailable)",
-                       _range_message(version))
+        logger.warning("vllm-edsd: %s; the plugin refuses \"method\": \"edsd\" and leaves the rest of vLLM "
+                       "untouched", _range_message(version))
+        try:
+            REFUSAL.apply()
+        except (ImportError, AttributeError):  # a vLLM that moved its SpeculativeConfig: its own error then
+            logger.debug("vllm-edsd: %s not found; \"edsd\" gets vLLM's own error", REFUSAL.name)
         _installed = True
         return
     from vllm import ModelRegistry

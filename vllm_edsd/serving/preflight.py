@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm_edsd.checkpoint.config import SPECULATORS_MODEL_TYPE, Speculators
 from vllm_edsd.checkpoint.files import load_json
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, first_line
 
 DRAFTER = "speculative config 'model'"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -50,9 +50,9 @@ def _check_hub(model: str, what: str = DRAFTER) -> None:
         found = file_exists(model, "config.json")
     except HfHubHTTPError:
         return
-    except Exception as exc:  # no network, DNS, proxy: whatever the HTTP client raises
+    except Exception as exc:  # no network, DNS, proxy, certificates: whatever the HTTP client raises
         raise EDSDError(f"{no_such_directory(model, what)}, and the model hub could not be reached to look up "
-                        f"{model!r} ({type(exc).__name__})") from None
+                        f"{model!r} ({type(exc).__name__}: {first_line(exc, limit=500)})") from exc
     if not found:
         raise EDSDError(f"{no_such_directory(model, what)}, and the model hub has no repository {model!r}")
 

@@ -33,7 +33,7 @@ from vllm_edsd.checkpoint.config import (
     decoder_layers,
     read_config_json,
 )
-from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.checkpoint.files import checkpoint_fingerprint, replace_file
 from vllm_edsd.data import load_conversations, load_sharegpt
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.model.eagle3 import Eagle3DraftModel
@@ -244,20 +244,17 @@ def regenerate(
     """Replace every assistant turn by the target's own greedy answer, turn by turn, batched,
     through vLLM or transformers (``backend``; transformers on ``device``). Cached in
     ``cache_dir`` in chunks of ``REGENERATE_CHUNK`` conversations, each under a key of
-    everything its answers depend on (the target's path and config, the chunk's conversations,
-    ``max_tokens``): a rerun regenerates only the chunks not yet written, and a run with other
-    inputs never reuses stale answers. The backend and ``engine_args`` (vLLM's ``LLM(...)``:
-    tensor parallelism...) change how, not what, is computed (greedy answers differ only at
-    near-ties of the two numerics)."""
-    identity = [str(Path(target).resolve()), (Path(target) / "config.json").read_text(), max_tokens]
+    everything its answers depend on (``regenerated_paths``): a rerun regenerates only the
+    chunks not yet written, and a run with other inputs never reuses stale answers. The backend
+    and ``engine_args`` (vLLM's ``LLM(...)``: tensor parallelism...) change how, not what, is
+    computed (greedy answers differ only at near-ties of the two numerics). A target without a
+    chat template is refused before any work (``require_chat_template``)."""
     chunks = [conversations[i : i + REGENERATE_CHUNK] for i in range(0, len(conversations), REGENERATE_CHUNK)]
-    paths = []
-    for chunk in chunks:
-        key = hashlib.sha256(json.dumps([*identity, chunk]).encode())
-        paths.append(cache_dir / f"regenerated-{key.hexdigest()[:16]}.jsonl")
+    paths = regenerated_paths(target, chunks, cache_dir, max_tokens)
     missing = [i for i, path in enumerate(paths) if not path.exists()]
     if missing:
         backend = generation_backend(backend, engine_args)
+        require_chat_template(target)
         cache_dir.mkdir(parents=True, exist_ok=True)
         per_call = CHUNKS_PER_CALL[backend]
         with replier(backend, target, max_tokens, engine_args, device) as reply:
@@ -270,6 +267,36 @@ def regenerate(
                     mine = [c for c in (next(answered) for _ in chunks[i]) if len(c) > 1]
                     replace_file(paths[i], lambda tmp: tmp.write_text("".join(json.dumps(c) + "\n" for c in mine)))  # noqa: B023
     return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+
+
+# the tokenizer files that hold the chat template, which turns each chat into the prompt answered
+CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def regenerated_paths(target: str, chunks: list[list], cache_dir: Path, max_tokens: int) -> list[Path]:
+    """Each chunk's cache file, named by a hash of everything its answers depend on: the
+    target's path and the content fingerprint of its config and weights (retrained weights in
+    the same directory answer differently), its chat template, ``max_tokens`` and the chunk's
+    conversations."""
+    templates = [(Path(target) / name).read_text() if (Path(target) / name).is_file() else None
+                 for name in CHAT_TEMPLATE_FILES]
+    identity = [str(Path(target).resolve()), checkpoint_fingerprint(target), templates, max_tokens]
+    keys = [hashlib.sha256(json.dumps([*identity, chunk]).encode()).hexdigest()[:16] for chunk in chunks]
+    return [cache_dir / f"regenerated-{key}.jsonl" for key in keys]
+
+
+def require_chat_template(target: str) -> None:
+    """Regeneration has the target answer chats, which its chat template turns into prompts
+    (vLLM's ``LLM.chat`` and ``greedy_replies`` alike): a target without one, as most base
+    models are, is refused in one line saying what to do, instead of transformers' traceback
+    mid-run."""
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(target).chat_template is None:
+        raise EDSDError(f"{target}: its tokenizer has no chat template (a base model?), and regeneration has the "
+                        "target answer chats; give it one (a chat_template.jinja, or 'chat_template' in its "
+                        "tokenizer_config.json), or skip regeneration and train on conversations whose answers are "
+                        "already written (--data)")
 
 
 def generation_backend(backend: str, engine_args: dict | None = None) -> str:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, first_line
 
 # Collectives wait this long: rank 0 extracts the target's features while the others wait.
 COLLECTIVE_TIMEOUT = timedelta(hours=24)
@@ -143,8 +143,7 @@ def connect(device: str, data_parallel: str = DDP) -> Iterator[tuple[World, str]
     try:
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     except (RuntimeError, ValueError) as exc:
-        raise EDSDError(f"cannot join the {size} training processes ({backend}): "
-                        f"{str(exc).strip().splitlines()[0][:200]}") from None
+        raise EDSDError(f"cannot join the {size} training processes ({backend}): {first_line(exc)}") from exc
     try:
         yield World(rank, size, device if backend == "nccl" else "cpu", data_parallel), device
     finally:

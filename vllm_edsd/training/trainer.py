@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.checkpoint.files import replace_file, torch_load_failure
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.model.edsd import KeyValueSteps
 from vllm_edsd.target.hidden_states import token_entropy
@@ -166,9 +166,8 @@ def _read_state(path: Path) -> dict:
     try:
         state = torch.load(path, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError or EOFError, by version
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise EDSDError(f"{path}: not a training state this trainer wrote ({reason}); "
-                        "remove it to start afresh or use another --out") from None
+        raise EDSDError(f"{path}: not a training state this trainer wrote ({torch_load_failure(exc)}); "
+                        "remove it to start afresh or use another --out") from exc
     if not isinstance(state, dict) or not {"recipe", "model", "optimizer", "epoch"} <= state.keys():
         raise EDSDError(
             f"{path}: not a training state this trainer wrote; remove it to start afresh or use another --out"
