@@ -288,8 +288,7 @@ def test_bad_input_is_refused(training_ckpt, tmp_path, capsys, case):
         ("no source", "no such directory"),
         ("vllm layout", "already in the vLLM layout"),
         ("other target", "does not fit the target model"),
-        ("target without sizes", "lacks vocab_size, hidden_size or num_hidden_layers as integers (found "
-                                 "{'vocab_size': 512, 'hidden_size': None, 'num_hidden_layers': 4})"),
+        ("target without sizes", "config.json: missing field 'hidden_size'"),
         ("fold without target", "--fold-token-norm needs --target"),
         ("bad dtype flag", "invalid choice"),
     ],

@@ -128,9 +128,6 @@ def resolve_source(src: Path) -> Path:
     return max(saves)[1]
 
 
-TARGET_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers")  # what a drafter must fit
-
-
 def _target_fingerprint(raw: dict, target: str | Path) -> TargetFingerprint:
     """The target's fingerprint from its config.json (a multimodal model's text config)."""
     return TargetFingerprint.from_hf_config(raw.get("text_config") or raw, f"{target}/config.json")
