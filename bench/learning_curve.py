@@ -78,9 +78,9 @@ def demo_plan(args: argparse.Namespace, largest: int):
     return Plan(load_config(build.PIPELINE, build.demo_overrides(flags, demo_target())))
 
 
-def train_point(plan, method: str, size: int, extra: list[str], feature_layers: str | None = None) -> Path:
+def train_point(plan, method: str, size: int, extra: list[str], feature_layers: tuple[int, ...] = ()) -> Path:
     """The drafter trained on the first ``size`` conversations, in a layout vLLM serves, from
-    the features of the plan's layers and ``feature_layers`` (comma-separated ids)."""
+    the features of the plan's layers and ``feature_layers``."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
     from vllm_edsd.pipeline import run_command
 
@@ -91,8 +91,7 @@ def train_point(plan, method: str, size: int, extra: list[str], feature_layers: 
         argv = own_layers(plan.train_argv(method, run), extra)
         if feature_layers:
             at = argv.index("--feature-layers") + 1
-            argv[at] = ",".join(map(str, sorted({*numbers("--feature-layers", feature_layers, int, 0),
-                                                 *map(int, argv[at].split(","))})))
+            argv[at] = ",".join(map(str, sorted({*feature_layers, *map(int, argv[at].split(","))})))
         run_command([*argv, "--max-samples", str(size),
                      "--save-every", str(SAVE_EVERY), *extra])
     if method == "eagle3":
@@ -138,9 +137,9 @@ def measure(drafter: Path, method: str, plan, args: argparse.Namespace) -> dict:
     return {**{key: result[key] for key in kept}, "tau_seen": seen["tau"]}
 
 
-def point(plan, method: str, size: int, args: argparse.Namespace) -> dict:
+def point(plan, method: str, size: int, args: argparse.Namespace, feature_layers: tuple[int, ...] = ()) -> dict:
     """One point of the curve: train (or reuse) the drafter, then measure it."""
-    drafter = train_point(plan, method, size, args.train_extra.split(), args.feature_layers)
+    drafter = train_point(plan, method, size, args.train_extra.split(), feature_layers)
     log = [json.loads(line) for line in (drafter.parent / "train_log.jsonl").read_text().splitlines()]
     return {"method": method, "variant": args.train_extra, "conversations": size,
             "positions": log[-1]["positions_trained"],
@@ -216,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         sizes = sorted(set(numbers("--sizes", args.sizes, int, 1)))
-        if args.feature_layers is not None:
-            numbers("--feature-layers", args.feature_layers, int, 0)
+        feature_layers = () if args.feature_layers is None else tuple(
+            numbers("--feature-layers", args.feature_layers, int, 0))
     except EDSDError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         for size in tqdm(sizes, desc="sizes", unit="size"):
             for method in methods:
-                new = point(plan, method, size, args)
+                new = point(plan, method, size, args, feature_layers)
                 results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
                 (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
                 (out / "report.md").write_text(render(results))
