@@ -1,0 +1,169 @@
+"""scripts/check_vllm_range.py's source reader on a tiny vLLM-shaped tree written here (no network):
+a method found with its signature, a missing one, an inherited one, a changed signature, a
+subclass a replacement would miss; and the plugin's side of the range: every patch has its
+expected shape recorded, the drafter sets what vLLM's EAGLE-3 constructor would, and the
+``"edsd"`` alias leaves every other method to vLLM."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm_edsd.serving.vllm_names import EAGLE3_ATTRIBUTES, VllmName
+
+ROOT = Path(__file__).resolve().parents[2]
+_SPEC = importlib.util.spec_from_file_location("check_vllm_range", ROOT / "scripts" / "check_vllm_range.py")
+check = importlib.util.module_from_spec(_SPEC)
+sys.modules["check_vllm_range"] = check
+_SPEC.loader.exec_module(check)
+
+MODULES = {
+    "vllm/__init__.py": """
+        MODULE_ATTRS = {"Runner": ".worker.runner:Runner"}
+
+        def __getattr__(name):
+            if name == "current_platform":
+                return None
+    """,
+    "vllm/worker/__init__.py": "",
+    "vllm/worker/base.py": """
+        from dataclasses import dataclass
+        from typing import Literal
+
+        Extra = Literal["c"]
+        Kinds = Literal["a", "b", Extra]
+
+        class Base:
+            def __init__(self, config):
+                self.config = config
+                self._cache = None
+
+            def step(self, batch, sampling):
+                return batch
+
+            def load(self, model):
+                pass
+
+        @dataclass
+        class Settings:
+            name: str
+            size: int = 0
+    """,
+    "vllm/worker/runner.py": """
+        from vllm.worker.base import Base
+
+        class Runner(Base):
+            def step(self, batch, sampling, *, draft=None):
+                return super().step(batch, sampling)
+
+            def load(self, model):
+                return model
+
+            def run(self, requests, k=1):
+                self.drafter = None
+    """,
+}
+
+
+@pytest.fixture
+def tree(tmp_path):
+    for name, source in MODULES.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+    return check.SourceTree(tmp_path)
+
+
+def judged(tree, owner, name, signature=None, **fields):
+    return check.judge(tree, VllmName(owner, name, "test", signature, **fields))
+
+
+def test_a_method_with_the_expected_signature(tree):
+    assert judged(tree, "vllm.worker.runner:Runner", "run", "self, requests, k").status == check.OK
+    assert judged(tree, "vllm.worker.runner:Runner", "run", "self, requests, ...").status == check.OK
+    assert judged(tree, "vllm.worker.runner:Runner", "drafter").status == check.OK  # assigned to self
+
+
+def test_a_missing_method_is_broken_unless_optional(tree):
+    cell = judged(tree, "vllm.worker.runner:Runner", "propose")
+    assert cell.status == check.BROKEN and "Runner has no propose" in cell.reason
+    cell = judged(tree, "vllm.worker.runner:Runner", "propose", optional="the plugin goes without")
+    assert cell.status == check.ABSENT and "the plugin goes without" in cell.reason
+    assert judged(tree, "vllm.worker.gone", "x").reason == "no module vllm.worker.gone"
+
+
+def test_an_inherited_method_is_found_in_the_base_class(tree):
+    found, _, _ = check.resolve(tree, VllmName("vllm.worker.runner:Runner", "_cache", ""))
+    assert found.owner == "vllm.worker.base:Base"
+    assert judged(tree, "vllm.worker.runner:Runner", "__init__", "self, config").status == check.OK
+    assert judged(tree, "vllm:Runner", "config").status == check.OK  # through vllm/__init__.py's lazy table
+
+
+def test_a_changed_signature_is_broken(tree):
+    cell = judged(tree, "vllm.worker.runner:Runner", "step", "self, batch, sampling")
+    assert cell.status == check.BROKEN and "(self, batch, sampling, draft)" in cell.reason
+    cell = judged(tree, "vllm.worker.runner:Runner", "run", "self, requests, ..., temperature")
+    assert cell.status == check.BROKEN and "lacks temperature" in cell.reason
+
+
+def test_a_dataclass_init_has_its_fields_as_parameters(tree):
+    assert judged(tree, "vllm.worker.base:Settings", "", "self, name, size").status == check.OK
+
+
+def test_literal_members_absent_names_and_lazy_module_names(tree):
+    assert judged(tree, "vllm.worker.base:Kinds", "c").status == check.OK
+    assert judged(tree, "vllm.worker.base:Kinds", "edsd", absent=True).status == check.OK
+    assert judged(tree, "vllm.worker.base:Kinds", "a", absent=True).status == check.BROKEN
+    assert judged(tree, "vllm:current_platform", "").status == check.OK
+
+
+def test_a_replacement_must_reach_the_subclasses_vllm_uses(tree):
+    inherits_or_calls_super = judged(tree, "vllm.worker.base:Base", "step", "self, ...", reaches=("vllm:Runner",))
+    assert inherits_or_calls_super.status == check.OK
+    cell = judged(tree, "vllm.worker.base:Base", "load", "self, model", reaches=("vllm.worker.runner:Runner",))
+    assert cell.status == check.BROKEN and "overrides load without calling super()" in cell.reason
+
+
+def test_the_newest_final_patch_release_of_each_minor_is_read():
+    def sdist(yanked=False):
+        return [{"packagetype": "sdist", "url": "../../packages/x.tar.gz", "yanked": yanked, "size": 1,
+                 "digests": {"sha256": "0"}}]
+
+    listing = {"releases": {"0.23.9": sdist(), "0.24.0": sdist(), "0.24.1": sdist(), "0.24.2": sdist(yanked=True),
+                            "0.25.0rc1": sdist(), "0.25.0": sdist(), "0.34.0": sdist()}}
+    chosen = check.releases_from_listing(listing, None)
+    assert [r.version for r in chosen] == ["0.24.1", "0.25.0"]
+    assert chosen[0].url == "https://pypi.org/packages/x.tar.gz"  # relative to PyPI's JSON, as PyPI gives it
+
+
+def test_every_patch_has_its_expected_shape_recorded():
+    assert all(row.entry is not None for row in check.rows()), "add the patch's entry to vllm_names.PATCHED"
+
+
+VLLM_METHODS = ("eagle", "eagle3", "dflash", "dspark", "mtp", "ngram", "ngram_gpu", "draft_model", "suffix",
+                "custom_class", "extract_hidden_states", "EDSD", None)
+
+
+def test_the_edsd_alias_leaves_every_other_method_to_vllm():
+    pytest.importorskip("vllm")
+    from vllm_edsd.serving.plugin import _checked_speculative_init
+
+    seen = []
+    wrapped = _checked_speculative_init(lambda _self, **kwargs: seen.append(kwargs))
+    for method in VLLM_METHODS:
+        wrapped(None, method=method, model="some/drafter", num_speculative_tokens=3)
+    assert [kwargs["method"] for kwargs in seen] == list(VLLM_METHODS)
+
+
+def test_the_drafter_sets_what_vllms_eagle3_init_would():
+    """EDSDLlamaForCausalLM skips Eagle3LlamaForCausalLM.__init__ and sets its attributes itself:
+    the script checks each release's __init__ against the recorded list, this checks ours."""
+    tree = ast.parse((ROOT / "vllm_edsd" / "serving" / "vllm_model.py").read_text())
+    drafter = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EDSDLlamaForCausalLM")
+    init = next(n for n in drafter.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert set(EAGLE3_ATTRIBUTES) <= check.attributes_set(init)

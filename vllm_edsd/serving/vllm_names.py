@@ -1,0 +1,201 @@
+"""Every vLLM name vllm-edsd depends on, with the shape it expects: one table, read by
+``scripts/check_vllm_range.py`` against the source of every supported vLLM release.
+
+The plugin imports vLLM lazily and wraps what it replaces with ``*args, **kwargs`` where it
+can, so a name vLLM moves or reshapes shows up only when an engine reaches it. This table
+says, per name, what the plugin needs, so that a release can be checked by reading its source
+(``ast``), without a GPU and without importing it. ``PATCHED`` holds one entry per row of
+``plugin.PATCHES`` and ``plugin.REFUSAL`` (the script fails on a row without one); ``READ``
+holds what the plugin reads, calls, subclasses or sets without replacing it.
+
+``signature`` is a callable's parameters as the plugin uses them, comma-separated: the
+leading names in order, then ``...`` where any further parameters may follow, and after it
+names that may stand anywhere (passed by keyword). Without ``...`` the list is exact (the
+plugin replaces the whole callable, so every parameter must match). A class's signature is its
+``__init__``'s, the fields of a ``@dataclass``/``@config`` class included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_edsd.checkpoint.layouts import EDSD_VLLM
+
+
+@dataclass(frozen=True)
+class VllmName:
+    """``owner.name`` in vLLM, as the plugin uses it.
+
+    ``owner`` is ``"module"`` or ``"module:Name"`` (a class; or a module-level dict or
+    ``Literal`` alias, whose keys or members are then what ``name`` names). ``name`` is an
+    attribute, method, field or member of it; ``""`` for the owner itself. ``kind="text"``: a
+    string the module's code holds, or begins one with (a metric name, an error message the
+    plugin matches; docstrings do not count). ``absent``: the name must *not* be there
+    (a method name vLLM must not claim). ``optional``: what the plugin does where the name is
+    missing; such a name is no break. ``applies_if``: ``"module:Class.attribute"`` that must
+    exist in a release for this entry to apply there (``"!..."``: must not). ``sets``: the
+    attributes the plugin's subclass sets instead of calling this ``__init__``; vLLM's own
+    ``__init__`` must set no other. ``reaches``: subclasses (``"module:Class"``) vLLM uses in
+    place of the owner, which a replacement of ``name`` on the owner must reach: they inherit
+    it, or their own calls it through ``super()``."""
+
+    owner: str
+    name: str
+    used_by: str
+    signature: str | None = None
+    kind: str = "name"
+    absent: bool = False
+    optional: str = ""
+    applies_if: str = ""
+    sets: tuple[str, ...] = ()
+    reaches: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """A short name for tables: ``Class.attribute``, ``module.function``, ``module 'text'``."""
+        module, _, inner = self.owner.partition(":")
+        head = inner or module.rsplit(".", 1)[-1]
+        if self.kind == "text":
+            return f"{head} {self.name!r}"
+        if not self.name:
+            return inner or module
+        return f"{head}.{self.name}"
+
+
+_PLUGIN = "serving/plugin.py"
+_LIMITER = "serving/draft_length.py"
+_MODEL = "serving/vllm_model.py"
+_CONNECTOR = "target/host_connector.py"
+_FEATURES = "target/vllm_features.py"
+_CPU_KERNELS = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
+
+# The replaced attributes (plugin.PATCHES, plugin.REFUSAL), by owner and attribute.
+PATCHED: tuple[VllmName, ...] = (
+    VllmName("vllm.config:SpeculativeConfig", "__init__", _PLUGIN,
+             "self, ..., method, model, num_speculative_tokens, draft_sample_method"),
+    VllmName("vllm.engine.arg_utils:EngineArgs", "create_engine_config", _PLUGIN, "self, ...",
+             reaches=("vllm.engine.arg_utils:AsyncEngineArgs",)),
+    VllmName("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "load_model", _PLUGIN, "self, ...",
+             reaches=("vllm.v1.spec_decode.eagle:EagleProposer",)),
+    VllmName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids", _PLUGIN, "self, ...",
+             reaches=("vllm.v1.worker.cpu_model_runner:CPUModelRunner",)),
+    VllmName("vllm.v1.engine.input_processor:InputProcessor", "_validate_params", _PLUGIN, "self, params, ..."),
+    VllmName("vllm.platforms.cpu:CpuPlatform", "register_triton_kernel_overrides", _PLUGIN, "cls",
+             applies_if=_CPU_KERNELS),
+    VllmName("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "_postprocess_triton", _PLUGIN, "self",
+             applies_if="!" + _CPU_KERNELS),
+    VllmName("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", "serving/cpu_sampling.py",
+             "x, cu_num_tokens, num_tokens, replace_from, replace_to"),
+)
+
+_EXTRACTION = "without it, edsd features/train use transformers for the target's hidden states"
+_CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+_EAGLE3 = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
+EAGLE3_ATTRIBUTES = ("config", "draft_id_to_target_id", "lm_head", "logits_processor", "model",
+                      "use_parallel_drafting")
+_LINEAR = "self, input_size, output_size, ..., bias, quant_config, prefix, return_bias"
+_ENGINE = "launch/engine.py"
+
+
+def _of(owner: str, used_by: str, *names: str | tuple[str, str], **flags: Any) -> tuple[VllmName, ...]:
+    """Entries for several names of one owner; a name with its signature is ``(name, signature)``."""
+    entries = []
+    for item in names:
+        name, signature = (item, None) if isinstance(item, str) else item
+        entries.append(VllmName(owner, name, used_by, signature, **flags))
+    return tuple(entries)
+
+
+# What the plugin reads, calls or subclasses without replacing it.
+READ: tuple[VllmName, ...] = (
+    # the method alias, the speculators format, the model registry, the front end
+    *_of("vllm.config.speculative:SpeculativeMethod", _PLUGIN, "eagle3"),
+    VllmName("vllm.config.speculative:SpeculativeMethod", "edsd", _PLUGIN, absent=True),
+    *_of("vllm.config.speculative:SpeculativeConfig", _PLUGIN, "draft_model_config", "target_model_config",
+         "parallel_drafting", "num_speculative_tokens"),
+    *_of("vllm.config.model:ModelConfig", _PLUGIN, "hf_config", "hf_text_config", "architectures",
+         ("get_total_num_hidden_layers", "self")),
+    VllmName("vllm.transformers_utils.configs.speculators.algos", "register_speculator", _PLUGIN, "name",
+             optional="without it, a drafter directory cannot be served alone (vllm serve DRAFTER_DIR)"),
+    *_of("vllm.transformers_utils.configs.speculators.algos", _PLUGIN, "edsd", kind="text", absent=True),
+    *_of("vllm.model_executor.models.registry", _PLUGIN, *EDSD_VLLM.architectures, kind="text", absent=True),
+    *_of("vllm.model_executor.models.registry:_ModelRegistry", _PLUGIN,
+         ("register_model", "self, model_arch, model_cls")),
+    *_of("vllm", _PLUGIN, "ModelRegistry"),
+    *_of("vllm.exceptions:VLLMValidationError", _PLUGIN, ("", "self, message, ..., parameter, value")),
+    *_of("vllm.entrypoints.openai.api_server", "launch/server.py", ""),
+    *_of("vllm.entrypoints.cli.main", _PLUGIN, ""),
+    # engine configuration the plugin sets or checks
+    *_of("vllm.engine.arg_utils:EngineArgs", "launch/server.py", "model", "speculative_config", "dtype",
+         "max_model_len", "gpu_memory_utilization"),
+    *_of("vllm.engine.arg_utils:EngineArgs", _LIMITER, "async_scheduling"),
+    *_of("vllm.config.vllm:VllmConfig", _PLUGIN, "speculative_config", "scheduler_config", "parallel_config"),
+    VllmName("vllm.config.vllm:VllmConfig", "use_v2_model_runner", _LIMITER,
+             optional="read with getattr: where absent, vLLM has the V1 runner only"),
+    *_of("vllm.config.scheduler:SchedulerConfig", _LIMITER, "async_scheduling"),
+    *_of("vllm.config.parallel:ParallelConfig", _PLUGIN, "data_parallel_size"),
+    *_of("vllm.envs:environment_variables", _LIMITER, "VLLM_USE_V2_MODEL_RUNNER"),
+    *_of("vllm.envs:environment_variables", _ENGINE, "VLLM_USE_AOT_COMPILE"),
+    *_of("vllm.envs:environment_variables", _FEATURES, "VLLM_CPU_NUM_OF_RESERVED_CPU"),
+    # the runner and the proposer the draft-length limiter works with
+    *_of("vllm.v1.worker.gpu_model_runner:GPUModelRunner", _PLUGIN, "input_batch", "requests",
+         "speculative_config", "drafter"),
+    *_of("vllm.v1.worker.gpu_input_batch:InputBatch", _PLUGIN, "req_ids"),
+    *_of("vllm.v1.worker.gpu_input_batch:CachedRequestState", _LIMITER, "sampling_params"),
+    *_of("vllm.sampling_params:SamplingParams", _LIMITER, "extra_args"),
+    *_of("vllm.v1.engine.input_processor:InputProcessor", _PLUGIN, "vllm_config"),
+    *_of("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", _LIMITER, ("propose", "self, ..."),
+         ("_sample_draft_tokens", "self, hidden_states, sampling_metadata"), "_last_draft_probs", "model",
+         "vllm_config"),
+    VllmName("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "use_local_argmax_reduction",
+             _PLUGIN, optional="read with getattr: where absent, the drafter's logits are always whole"),
+    *_of("vllm.platforms:current_platform", _ENGINE, ""),
+    *_of("vllm.platforms.interface:Platform", _ENGINE, ("is_cpu", "self")),
+    # the draft model: a subclass of vLLM's EAGLE-3 Llama drafter, built from vLLM's layers
+    VllmName(_EAGLE3, "__init__", _MODEL, "self, ..., vllm_config, prefix", sets=EAGLE3_ATTRIBUTES),
+    *_of(_EAGLE3, _MODEL, ("forward", "self, input_ids, positions, hidden_states, inputs_embeds"),
+         ("compute_logits", "self, hidden_states"), ("combine_hidden_states", "self, hidden_states"),
+         ("load_weights", "self, weights"), ("embed_input_ids", "self, input_ids, ...")),
+    *_of("vllm.model_executor.models.llama:LlamaDecoderLayer", _MODEL, ("", "self, vllm_config, ..., prefix, config"),
+         ("forward", "self, positions, hidden_states, residual, ..."), ("get_quant_config", "self, vllm_config")),
+    *_of("vllm.compilation.decorators", _MODEL, ("support_torch_compile", "..., dynamic_arg_dims")),
+    *_of("vllm.config", _MODEL, "VllmConfig", "get_current_vllm_config"),
+    *_of("vllm.model_executor.layers.layernorm:RMSNorm", _MODEL, ("", "self, hidden_size, ..., eps")),
+    *_of("vllm.model_executor.layers.linear:ColumnParallelLinear", _MODEL, ("", _LINEAR)),
+    *_of("vllm.model_executor.layers.linear:RowParallelLinear", _MODEL, ("", _LINEAR)),
+    *_of("vllm.model_executor.layers.linear:ReplicatedLinear", _MODEL, ("", _LINEAR + ", params_dtype")),
+    *_of("vllm.model_executor.layers.logits_processor:LogitsProcessor", _MODEL, ("", "self, vocab_size, ...")),
+    *_of("vllm.model_executor.layers.quantization.base_config", _MODEL, "QuantizationConfig"),
+    *_of("vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding", _MODEL,
+         ("", "self, num_embeddings, embedding_dim, ..., prefix")),
+    *_of("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead", _MODEL,
+         ("", "self, num_embeddings, embedding_dim, ..., quant_config, prefix")),
+    *_of("vllm.model_executor.model_loader.weight_utils", _MODEL, ("default_weight_loader", "param, loaded_weight"),
+         ("maybe_remap_kv_scale_name", "name, params_dict")),
+    *_of("vllm.model_executor.models.utils:WeightsMapper", _MODEL, ("", "self, ..., orig_to_new_prefix"),
+         ("apply_list", "self, values")),
+    *_of("vllm.model_executor.models.utils", _MODEL, ("get_draft_quant_config", "vllm_config"),
+         ("maybe_prefix", "prefix, name"), ("process_eagle_weight", "model, name")),
+    # engines, prompts and counters (launch/, demo/, training/)
+    *_of("vllm", _ENGINE, "LLM", "SamplingParams"),
+    *_of("vllm.inputs", "demo/__init__.py", "TokensPrompt"),
+    *_of("vllm.entrypoints.llm:LLM", _ENGINE, "llm_engine", ("get_metrics", "self")),
+    *_of("vllm.v1.engine.llm_engine:LLMEngine", _ENGINE, "engine_core", "model_config"),
+    *_of("vllm.v1.engine.core_client:EngineCoreClient", _ENGINE, ("shutdown", "self, ...")),
+    *_of("vllm.v1.engine.utils", _ENGINE, "Engine core initialization failed", kind="text"),
+    *_of("vllm.v1.spec_decode.metrics", _ENGINE, "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+         "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos", kind="text"),
+    # target features through vLLM's hidden-state extraction and its example connector
+    *_of("vllm.config.speculative:SpeculativeMethod", _FEATURES, "extract_hidden_states", optional=_EXTRACTION),
+    *_of("vllm.v1.spec_decode.extract_hidden_states", _FEATURES, "", optional=_EXTRACTION),
+    *_of("vllm.config.kv_transfer:KVTransferConfig", _FEATURES, "kv_connector_module_path",
+         "kv_connector_extra_config"),
+    *_of("vllm.outputs:RequestOutput", _FEATURES, "kv_transfer_params"),
+    *_of(_CONNECTOR_MODULE, _FEATURES, ("load_hidden_states", "path"), ("cleanup_hidden_states", "path, ..."),
+         ("extract_from_kv_cache", "kv_cache, slot_mapping, num_tokens"), optional=_EXTRACTION),
+    *_of(_CONNECTOR_MODULE + ":PendingSave", _CONNECTOR, ("", "self, ..., req_id, filename, token_ids, block_ids"),
+         optional=_EXTRACTION),
+    *_of(_CONNECTOR_MODULE + ":ExampleHiddenStatesConnector", _CONNECTOR, ("_submit_async_write", "self, pending"),
+         "_kv_cache", "_is_tp_rank_zero", "_block_size", "_lock_fds", "_req_copy_events", optional=_EXTRACTION),
+)
