@@ -31,7 +31,7 @@ from vllm_edsd.checkpoint.config import SPECULATORS_MODEL_TYPE, EDSDConfig, Targ
 from vllm_edsd.checkpoint.files import tensor_shapes
 from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, detect_layout
 from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.model.edsd import check_tensors
 from vllm_edsd.serving import cpu_sampling, draft_length, preflight
@@ -82,9 +82,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
             f"(valid fields include: method, model, num_speculative_tokens, draft_sample_method, "
             f"{', '.join(draft_length.FIELDS)})"
         )
-    k = kwargs.get("num_speculative_tokens")
-    if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise EDSDError(f"speculative config: 'num_speculative_tokens' must be a positive integer, got {k!r}")
+    positive_int(kwargs.get("num_speculative_tokens"), "speculative config: 'num_speculative_tokens'")
     sample = kwargs.get("draft_sample_method")
     if sample is not None and sample not in DRAFT_SAMPLE_METHODS:
         raise EDSDError(
