@@ -13,6 +13,7 @@ import pytest
 from conftest import edsd_spec as spec
 from conftest import engine_config
 
+from vllm_edsd.checkpoint.config import Speculators
 from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.serving.draft_length import AdaptiveDraftLength, check_request_cap, check_runner
 from vllm_edsd.serving.plugin import version_supported
@@ -45,6 +46,21 @@ def test_a_positive_int_is_an_integer_of_one_or_more_and_no_bool(value):
     with pytest.raises(EDSDError, match=r"^train\.epochs must be a positive integer, got "):
         positive_int(value, "train.epochs")
     assert positive_int(1, "train.epochs") == 1
+
+
+@pytest.mark.parametrize(("block", "clue"), [
+    ({"proposal_methods": [{"speculative_tokens": 3}]}, "KeyError: 'verifier'"),
+    ({"proposal_methods": [], "verifier": {"name_or_path": "t"}}, "IndexError: list index out of range"),
+    ("not a block", "TypeError: string indices must be integers"),
+])
+def test_a_malformed_speculators_block_names_what_is_wrong_and_keeps_the_cause(block, clue):
+    """The field's shape is the error; which part of it is missing is the clue, kept in the
+    line and as the cause."""
+    raw = {"speculators_model_type": "edsd", "speculators_config": block}
+    with pytest.raises(EDSDError, match=r"must hold proposal_methods\[0\]\.speculative_tokens") as err:
+        Speculators.from_config(raw, "drafter/config.json")
+    assert f"(docs/formats.md) ({clue}" in str(err.value)
+    assert type(err.value.__cause__).__name__ == clue.split(":")[0]
 
 
 @pytest.mark.vllm_range

@@ -73,7 +73,8 @@ for method, extra in (("edsd", {"model": "/no/such/drafter"}), ("ngram", {"promp
         outcomes[method] = SpeculativeConfig(method=method, num_speculative_tokens=2, **extra).method
     except Exception as exc:
         outcomes[method] = f"{type(exc).__name__}: {exc}"
-print(json.dumps({"patches": [p.name for p in PATCHES if applied(p)], "refusal": applied(REFUSAL), **outcomes}))
+others = [p.name for p in PATCHES if applied(p) and p is not REFUSAL]
+print(json.dumps({"patches": others, "refusal": applied(REFUSAL), **outcomes}))
 """
 
 

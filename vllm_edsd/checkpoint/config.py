@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_edsd.checkpoint.files import load_json
-from vllm_edsd.errors import EDSDError, is_int, positive_int
+from vllm_edsd.errors import EDSDError, first_line, is_int, positive_int
 
 # No size, count or constant of a drafter reaches 2**31: a larger one is a typo or an attack,
 # and would overflow an int32 index or an allocation further on.
@@ -134,9 +134,10 @@ class Speculators:
             block = raw["speculators_config"]
             k, verifier = block["proposal_methods"][0]["speculative_tokens"], block["verifier"]
             name, architectures = verifier["name_or_path"], verifier.get("architectures") or []
-        except (KeyError, IndexError, TypeError, AttributeError):
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:  # which part is missing: the clue
             raise EDSDError(f"{source}: field 'speculators_config' must hold proposal_methods[0].speculative_tokens "
-                            "and verifier.name_or_path (docs/formats.md)") from None
+                            f"and verifier.name_or_path (docs/formats.md) ({type(exc).__name__}: "
+                            f"{first_line(exc)})") from exc
         if not isinstance(name, str) or not name:
             raise EDSDError(f"{source}: field 'speculators_config.verifier.name_or_path' must name the target "
                             f"model (a directory or a hub id), got {name!r:.80}")

@@ -69,6 +69,13 @@ def use_cpu_workarounds() -> None:
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
+def use_every_cpu_core() -> None:
+    """For an offline batch job (regeneration, feature extraction), set before its engine
+    starts: on CPU vLLM then computes on every core, where it would keep one for serving. A
+    value the user set is kept."""
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
 def speculative_config(method: str, model: str | None, k: int, **extra: Any) -> dict | None:
     """The ``speculative_config`` dict for ``method`` in (none, eagle3, edsd, ...)."""
     if method == "none":

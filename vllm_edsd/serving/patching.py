@@ -1,9 +1,12 @@
-"""How vllm-edsd replaces a vLLM attribute: once, by name, with a reason, logged.
+"""Every change vllm-edsd makes to vLLM, as one table of ``Patch`` rows, and how a replacement
+is made: once, by name, with a reason, logged.
 
-Every replacement the plugin makes is a ``Patch`` in ``plugin.PATCHES`` (the table, see
-docs/architecture.md, "Patches"), as ArcticInference lists its own. A patch wraps the
-attribute it names exactly once per process (vLLM loads plugins in every process and may
-import this package again), and says so once at debug level.
+The table is ``plugin.PATCHES`` (docs/architecture.md, "Patches"), as ArcticInference lists
+its own. A row of kind ``REPLACE`` wraps the attribute it names exactly once per process
+(vLLM loads plugins in every process and may import this package again), and says so once at
+debug level. The other kinds describe a change the plugin's own code makes (a hook on an
+instance, a private attribute, an environment variable...): the row names that code
+(``where``), and tests/unit/test_patches.py fails on any such change the rows do not name.
 """
 
 from __future__ import annotations
@@ -20,18 +23,43 @@ logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handler
 
 _MARK = "_edsd_patch"
 
+# What a row changes.
+REPLACE = "replace"  # a class's or module's attribute, replaced by ``Patch.apply``
+INSTANCE_HOOK = "instance hook"  # an attribute set on instances of the owner
+PRIVATE = "private attribute"  # a private attribute of the owner, read or written
+OVERRIDE = "override"  # a private method of the owner, overridden in a subclass
+CONFIG = "config attribute"  # an attribute set on the config object the owner names
+ENVIRONMENT = "environment"  # an environment variable of the whole process, read by the owner
+EXCEPTION = "exception"  # an exception of the plugin's, raised through the owner's code
+KINDS = (REPLACE, INSTANCE_HOOK, PRIVATE, OVERRIDE, CONFIG, ENVIRONMENT, EXCEPTION)
+
 
 @dataclass(frozen=True)
 class Patch:
-    """``owner.attribute = replace(original)``; ``owner`` is ``"module"`` or ``"module:Class"``."""
+    """One change to vLLM: ``owner.attribute``, why, when, and in which vLLM releases.
+
+    ``owner`` is ``"module"``, ``"module:Class"`` or, for a config, ``"module:Class.attribute"``
+    (the object the class holds). A ``REPLACE`` row is ``owner.attribute = replace(original)``;
+    any other row has no ``replace`` and names the functions that make the change, as
+    ``"path/of/module.py:qualified.name"`` (``where``). ``versions`` None: every release the plugin
+    supports (``plugin.SUPPORTED_VLLM``)."""
 
     owner: str
     attribute: str
     why: str
-    replace: Callable[[Callable], Callable]
+    replace: Callable[[Callable], Callable] | None = None
     when: str = "at plugin load"
     only_if: Callable[[], bool] | None = None  # checked at plugin load
     at_load: bool = True  # False: applied later by the code that decides it is needed
+    kind: str = REPLACE
+    versions: str | None = None
+    where: tuple[str, ...] = ()
+
+    @classmethod
+    def made_by(cls, kind: str, owner: str, attribute: str, why: str, *, where: tuple[str, ...], when: str,
+                versions: str | None = None) -> Patch:
+        """A row for a change the plugin's own code makes (``where``), not ``Patch.apply``."""
+        return cls(owner, attribute, why, when=when, at_load=False, kind=kind, versions=versions, where=where)
 
     @property
     def name(self) -> str:
@@ -50,6 +78,8 @@ class Patch:
 
     def apply(self) -> bool:
         """Replace the attribute unless this process already did; True when it did now."""
+        if self.replace is None:
+            raise TypeError(f"{self.name}: a {self.kind!r} row is made by {', '.join(self.where)}, not applied")
         host = self.resolve()
         static = inspect.getattr_static(host, self.attribute)
         if applied(self):
@@ -66,7 +96,10 @@ class Patch:
 
 
 def applied(patch: Patch) -> bool:
-    """Whether ``patch`` is in place in this process (False where this vLLM lacks its target)."""
+    """Whether ``patch`` is in place in this process (False where this vLLM lacks its target, and
+    for a row that ``Patch.apply`` does not make)."""
+    if patch.replace is None:
+        return False
     try:
         current = _unwrap_static(patch.resolve(), patch.attribute)
     except (ImportError, AttributeError):

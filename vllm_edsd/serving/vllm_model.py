@@ -59,6 +59,26 @@ _STACKED = {
 }
 
 
+def _checkpoint_to_param(name: str, params: dict) -> tuple[str | None, object]:
+    """(parameter name or None to skip, shard id or None) of a vLLM-layout tensor.
+
+    Skipped like vLLM's own loaders skip them: ``t2d``, RoPE caches, and KV-cache scales
+    when the drafter's KV cache is not quantized (vLLM's ``maybe_remap_kv_scale_name``
+    maps them onto the attention layer when it is)."""
+    if name.endswith(ROPE_CACHES):
+        return None, None
+    mapped = _CHECKPOINT_TO_PARAMS.apply_list([name])  # the one lookup vLLM 0.24-0.33 all have
+    if not mapped:
+        return None, None
+    param = mapped[0]
+    if KV_SCALE.search(param):
+        return maybe_remap_kv_scale_name(param, params), None
+    for unfused, (fused, shard) in _STACKED.items():
+        if unfused in param:
+            return param.replace(unfused, fused), shard
+    return param, None
+
+
 class EDSDDecoderLayer(LlamaDecoderLayer):
     """vLLM's Llama decoder layer, quantized like the drafter rather than the target."""
 
@@ -170,7 +190,7 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
             if self.edsd.draft_vocab_size != self.edsd.vocab_size
             else None
         )
-        self._shapes = EDSD_VLLM.rename_from_canonical(expected_shapes(self.edsd))
+        self.checkpoint_shapes = EDSD_VLLM.rename_from_canonical(expected_shapes(self.edsd))
         self.use_parallel_drafting = vllm_config.speculative_config.parallel_drafting
         if self.use_parallel_drafting:
             raise EDSDError("EDSD drafters do not support parallel_drafting; remove it from the speculative config")
@@ -195,25 +215,6 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.fc(hidden_states)
 
-    def _checkpoint_to_param(self, name: str, params: dict) -> tuple[str | None, object]:
-        """(parameter name or None to skip, shard id or None) of a vLLM-layout tensor.
-
-        Skipped like vLLM's own loaders skip them: ``t2d``, RoPE caches, and KV-cache scales
-        when the drafter's KV cache is not quantized (vLLM's ``maybe_remap_kv_scale_name``
-        maps them onto the attention layer when it is)."""
-        if name.endswith(ROPE_CACHES):
-            return None, None
-        mapped = _CHECKPOINT_TO_PARAMS.apply_list([name])  # the one lookup vLLM 0.24-0.33 all have
-        if not mapped:
-            return None, None
-        param = mapped[0]
-        if KV_SCALE.search(param):
-            return maybe_remap_kv_scale_name(param, params), None
-        for unfused, (fused, shard) in _STACKED.items():
-            if unfused in param:
-                return param.replace(unfused, fused), shard
-        return param, None
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         # The attention layer's own parameters are KV-cache scales: optional, 1.0 by default.
@@ -222,12 +223,12 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
             expected.discard("draft_id_to_target_id")
         loaded: set[str] = set()
         for name, tensor in weights:
-            param_name, shard = self._checkpoint_to_param(name, params)
+            param_name, shard = _checkpoint_to_param(name, params)
             if param_name is None or (name == "d2t" and self.draft_id_to_target_id is None):
                 continue
             if param_name not in params:
                 raise EDSDError(f"EDSD drafter: unexpected tensor '{name}' in checkpoint{unexpected_hint(name)}")
-            want = self._shapes.get(name)
+            want = self.checkpoint_shapes.get(name)
             if want is not None and tuple(tensor.shape) != want:
                 raise EDSDError(f"EDSD drafter: tensor '{name}' has shape {list(tensor.shape)}, expected {list(want)}")
             param = params[param_name]

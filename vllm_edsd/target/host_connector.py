@@ -5,7 +5,9 @@ cached through a CUDA copy stream into pinned memory; vLLM's CPU build has neith
 worker dies at the first finished request ("pin_memory=True requires a CUDA or other
 accelerator backend"). Where the cache is in host memory this subclass copies and writes
 each request's hidden states at once; on a GPU it is vLLM's connector unchanged. vLLM loads
-it by name (``kv_connector_module_path``), in the worker and the scheduler processes.
+it by name (``kv_connector_module_path``), in the worker and the scheduler processes. The
+method it overrides and the connector's private state it uses are rows of ``PATCHES``
+(vllm_edsd/serving/plugin.py).
 """
 
 from __future__ import annotations

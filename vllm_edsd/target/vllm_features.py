@@ -11,7 +11,6 @@ alone from the target's checkpoint.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,15 +94,14 @@ class VLLMFeatures:
             self.scratch.cleanup()
 
     def _start(self) -> None:
-        from vllm_edsd.launch.engine import make_llm
+        from vllm_edsd.launch.engine import make_llm, use_every_cpu_core
 
         norm, head = output_head(self.target)
         self.norm, self.head = norm.to(self.device), head.to(self.device)
         last = decoder_layers(self.target)
         self.captured = tuple(sorted({*self.layer_ids, last}))
         self.scratch = tempfile.TemporaryDirectory(prefix="edsd-hidden-states-")
-        # an offline batch job: on CPU let vLLM compute on every core (it reserves one for serving)
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        use_every_cpu_core()
         spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(self.captured)}}}
         transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": "vllm_edsd.target.host_connector",

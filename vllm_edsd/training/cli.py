@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -326,11 +325,10 @@ def replier(
     if backend == "vllm":
         from vllm import SamplingParams
 
-        from vllm_edsd.launch.engine import llm_session
+        from vllm_edsd.launch.engine import llm_session, use_every_cpu_core
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        # An offline batch job: on CPU let vLLM compute on every core (it reserves one for serving).
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        use_every_cpu_core()
         with llm_session(target, **(engine_args or {})) as llm:
             yield lambda chats: [reply.outputs[0].text for reply in llm.chat(chats, params, use_tqdm=True)]
         return
