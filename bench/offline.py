@@ -81,7 +81,7 @@ class Setup:
     mixed_batch: int = 16  # the mixed suite's batch: half its requests opt out of drafting
     # True: every reply is max_tokens long (equal work per method); False: replies end at the
     # model's end of sequence, as users see them (prompt lookup then has no repetition past the
-    # answer to copy; docs: README, "Benchmarks").
+    # answer to copy; docs/results.md, "Measuring: `python -m bench`").
     ignore_eos: bool = True
     adaptive_threshold: float = DEFAULT_THRESHOLD
     categories: tuple[str, ...] = CATEGORIES  # the prompt categories every suite but robustness draws from
@@ -212,7 +212,7 @@ HALVES = ("even", "odd")  # even-numbered requests draft in half-off; odd-number
 def mixed(setup: Setup, method: str, k: int, llm) -> list[dict]:
     """A batch where half the requests opt out of drafting (``extra_args={"num_speculative_tokens":
     0}``): each half's output tokens/s, from its start to its last token, against the same
-    batch served all at K and all opted out, in the same engine (docs: README, "Per-request
+    batch served all at K and all opted out, in the same engine (docs/results.md, "Per-request
     draft length")."""
     if method == "none":
         return []
@@ -273,7 +273,7 @@ def with_derived(runs: list[dict]) -> list[dict]:
     """``runs`` with each row's figures relative to others of the same run: ``speedup`` over
     the no-speculation row (acceptance: same category and temperature; throughput: same batch
     size and temperature), ``same_replies`` (at T=0: how many replies equal that row's, token
-    for token; bf16 rounding can change a reply at a near-tie, docs: README, "Benchmarks") and
+    for token; bf16 rounding can change a reply at a near-tie, docs/results.md, "Measuring: `python -m bench`") and
     robustness's ``tau_drop`` against no system prompt."""
     for suite, keys in (("acceptance", ("category", "temperature")), ("throughput", ("batch_size", "temperature"))):
         rows = [r for r in runs if r["suite"] == suite]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.shared import build_once, separate_worker_engines
 from support.specforge_layout import specforge_chains, write_specforge_checkpoint
 from support.toy import make_drafter, make_target, toy_corpus
 
@@ -32,6 +33,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 
 # Eight prompts of different lengths; token ids of the toy tokenizer's vocabulary.
 PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 3 + i)] for i in range(8)]
+
+separate_worker_engines()
 
 
 def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
@@ -256,7 +259,10 @@ def most_frequent_greedy_token(target_dir: Path, limit: int) -> int:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict:
     """Toy targets (Llama, Qwen3) and EDSD drafters for them, in vLLM's layout."""
-    root = tmp_path_factory.mktemp("models")
+    return build_once(tmp_path_factory, "models", build_models)
+
+
+def build_models(root: Path) -> dict:
     paths = {
         "llama": make_target(root / "llama", arch="llama"),
         "qwen3": make_target(root / "qwen3", arch="qwen3", seed=1),
@@ -284,7 +290,8 @@ def fitted_target(tmp_path_factory) -> str:
     """A toy target fitted to the toy corpus: its greedy text is text-like and partly
     memorised, so regenerated answers round-trip through the tokenizer and a drafter has
     something to learn (a random-weight target has neither)."""
-    return str(make_target(tmp_path_factory.mktemp("fitted") / "target", seed=3, train_steps=300))
+    return build_once(tmp_path_factory, "fitted", lambda root: str(make_target(root / "target", seed=3,
+                                                                               train_steps=300)))
 
 
 @pytest.fixture(scope="session")
@@ -293,12 +300,15 @@ def trained(fitted_target, tmp_path_factory) -> dict:
     EAGLE-3 baseline, regenerated data) and ``edsd convert`` (unfolded and folded). The trained
     drafters' proposals depend on every weight and are often accepted, so serving tests that
     use them fail when a layer is mis-sharded or mis-loaded."""
+    return build_once(tmp_path_factory, "pipeline", lambda root: train_on_fitted(fitted_target, root))
+
+
+def train_on_fitted(target: str, root: Path) -> dict:
     from transformers import AutoTokenizer
 
     from vllm_edsd.cli import main
     from vllm_edsd.data import render_conversation
 
-    root = tmp_path_factory.mktemp("pipeline")
     lines = [l for l in toy_corpus().splitlines() if l.strip()]
     data = root / "chat.jsonl"
     data.write_text(
@@ -307,7 +317,6 @@ def trained(fitted_target, tmp_path_factory) -> dict:
             for l in lines[:24]
         )
     )
-    target = fitted_target
     make_drafter(target, root / "untrained", draft_vocab_size=256)
     assert main(["select", target, "--data", str(data), "--samples", "8", "--out", str(root / "layers.json")]) == 0
     # one regeneration and one feature extraction (vLLM's, the default) for both methods
@@ -382,7 +391,10 @@ def parity_drafters(models, tmp_path_factory) -> dict:
     and one with Llama-3.1's RoPE scaling, ``{"llama3-rope": ...}``.
     The RMSNorm one is a SpecForge checkpoint (sharded, with its own copy of the embedding),
     the LayerNorm one this project's training layout."""
-    root = tmp_path_factory.mktemp("parity")
+    return build_once(tmp_path_factory, "parity", lambda root: build_parity_drafters(models, root))
+
+
+def build_parity_drafters(models: dict, root: Path) -> dict:
     specforge = root / "specforge" / "epoch_0_step_100"
     write_specforge_checkpoint(models["llama"], specforge, sharded=True, with_embedding=True, seed=3)
     layernorm = root / "layernorm-training"
@@ -403,13 +415,14 @@ def parity_drafters(models, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def engine_runs(tmp_path_factory):
-    """Memoised engine jobs: ``engine_runs(key, job)`` runs each key once per session."""
+    """Memoised engine jobs: ``engine_runs(key, job)`` runs each key once per test run (once for
+    all xdist workers)."""
     cache: dict[str, dict] = {}
-    root = tmp_path_factory.mktemp("engines")
 
     def run(key: str, job: dict, env: dict | None = None) -> dict:
         if key not in cache:
-            cache[key] = run_engine_job(job, root / key, env)
+            cache[key] = build_once(tmp_path_factory, f"engine-{key}",
+                                    lambda workdir: run_engine_job(job, workdir, env))
         return cache[key]
 
     return run

@@ -87,11 +87,12 @@ def test_the_demo_is_never_silent_for_long(capsys):
 
     from vllm_edsd.demo import heartbeat
 
-    with heartbeat("edsd: starting vLLM", every=0.05):
+    with heartbeat("edsd: starting vLLM", every=0.05, expect="~1 min"):
         time.sleep(0.23)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "edsd demo: edsd: starting vLLM..."
+    assert lines[0] == "edsd demo: edsd: starting vLLM (~1 min)..."
     assert sum(line.startswith("  ... edsd: starting vLLM: ") for line in lines) >= 3
+    assert sum("~1 min" in line for line in lines) == 1  # the expectation once, not on every tick
     assert lines[-1].startswith("  edsd: starting vLLM: done in ")
     with pytest.raises(RuntimeError), heartbeat("failing", every=0.05):
         raise RuntimeError("engine died")

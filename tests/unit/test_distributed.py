@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from support.toy import make_target, toy_corpus
 
 from vllm_edsd.cli import build_parser, main
+from vllm_edsd.launch.server import free_port
 from vllm_edsd.training.cli import prepare
 from vllm_edsd.training.trainer import Fitter, count_batches, epoch_batches
 
@@ -90,6 +91,7 @@ def torchrun(setup: dict, out: Path, *extra, **interrupt) -> subprocess.Complete
     without its log) and never in 21 runs here (docs/scale.md, "Training under torchrun")."""
     env, ranks = run_env(setup, out, **interrupt), Path(str(out) + "-ranks")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
+           "--master-port", str(free_port()),  # not torchrun's fixed default: other runs may be beside it
            "--log-dir", str(ranks), "--redirects", "3", "-m", "vllm_edsd", *train_args(setup, out, *extra)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode != 0 and not interrupt and re.search(r"exitcode\s*:\s*-(?!15\b)\d+", done.stderr):

@@ -100,13 +100,14 @@ DEMO_DTYPE = "float32"
 
 
 HEARTBEAT_S = 25.0  # the longest the demo stays silent while it works
+ENGINE_START = "~1 min on a CPU, more the first time"
 
 
 @contextlib.contextmanager
-def heartbeat(what: str, every: float = HEARTBEAT_S) -> Iterator[None]:
-    """Say that ``what`` starts, that it is still going every ``every`` seconds, and how long it
-    took: an engine start on a CPU is minutes of vLLM's silence."""
-    print(f"edsd demo: {what}...", flush=True)
+def heartbeat(what: str, every: float = HEARTBEAT_S, expect: str = "") -> Iterator[None]:
+    """Say that ``what`` starts (with how long to ``expect``, once), that it is still going every
+    ``every`` seconds, and how long it took: an engine start on a CPU is minutes of vLLM's silence."""
+    print(f"edsd demo: {what}{f' ({expect})' if expect else ''}...", flush=True)
     done, start = threading.Event(), time.time()
 
     def tick() -> None:
@@ -145,7 +146,7 @@ def _measure_server(name: str, target: str, spec: dict | None, max_tokens: int) 
     from vllm_edsd.launch.server import running_server
 
     with contextlib.ExitStack() as stack:
-        with heartbeat(f"{name}: starting vLLM's server (~1 min on a CPU, more the first time)"):
+        with heartbeat(f"{name}: starting vLLM's server", expect=ENGINE_START):
             base = stack.enter_context(
                 running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE]))
             _chat_server(base, "Hello!", 8)  # warm-up
@@ -175,7 +176,7 @@ def _measure_offline(name: str, target: str, spec: dict | None, max_tokens: int)
         return llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
 
     with contextlib.ExitStack() as stack:
-        with heartbeat(f"{name}: starting vLLM's engine (~1 min on a CPU, more the first time)"):
+        with heartbeat(f"{name}: starting vLLM's engine", expect=ENGINE_START):
             llm = stack.enter_context(llm_session(target, spec, dtype=DEMO_DTYPE))
             chat("Hello!", SamplingParams(max_tokens=8))
         stack.enter_context(heartbeat(f"{name}: {len(DEMO_PROMPTS)} prompts, one at a time"))

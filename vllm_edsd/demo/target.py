@@ -55,13 +55,19 @@ def content_key(path: Path) -> str:
 
 
 def demo_target() -> Path:
-    """The converted checkpoint's directory, converting on first use (~40 s on 2 CPU cores)."""
+    """The converted checkpoint's directory, converting on first use (~40 s on 2 CPU cores).
+    Processes that start at once convert it once: the others wait for the first (a lock file
+    beside it) instead of replacing the directory under an engine that is loading it."""
+    from filelock import FileLock
+
     source = gguf_path()
     out = CACHE / f"smollm2-135m-instruct-{content_key(source)}"
-    if not (out / "config.json").is_file():
-        print(f"converting {source.name} into a Hugging Face checkpoint under {out} (once, ~1 min)",
-              file=sys.stderr)  # stdout stays clean for `edsd demo --paths`
-        convert_gguf(source, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):
+        if not (out / "config.json").is_file():
+            print(f"converting {source.name} into a Hugging Face checkpoint under {out} (once, ~1 min)",
+                  file=sys.stderr)  # stdout stays clean for `edsd demo --paths`
+            convert_gguf(source, out)
     return out
 
 
