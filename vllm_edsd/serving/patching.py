@@ -15,6 +15,7 @@ import functools
 import importlib
 import inspect
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,23 @@ ENVIRONMENT = "environment"  # an environment variable of the whole process, rea
 EXCEPTION = "exception"  # an exception of the plugin's, raised through the owner's code
 KINDS = (REPLACE, INSTANCE_HOOK, PRIVATE, OVERRIDE, CONFIG, ENVIRONMENT, EXCEPTION)
 
+OUTSIDE_RANGE = "any other"  # ``versions`` of a row made only outside the supported range (plugin.REFUSAL)
+_SPAN = re.compile(r"(\d+)\.(\d+)(?:\s*[–-]\s*(\d+)\.(\d+))?")
+
+
+def minor_spans(versions: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The vLLM minors a row's ``versions`` names, as inclusive (first, last) spans: ``"0.24–0.30"``
+    or ``"0.27, 0.32"``, a note in parentheses after them. Any other text is a ValueError, so
+    that scripts/check_vllm_range.py can tell which releases each row claims and check it there."""
+    spans = []
+    for part in versions.split("(", 1)[0].split(","):
+        match = _SPAN.fullmatch(part.strip())
+        if match is None:
+            raise ValueError(f"versions {versions!r}: expected minors such as '0.24–0.30' or '0.27, 0.32'")
+        first = (int(match[1]), int(match[2]))
+        spans.append((first, (int(match[3]), int(match[4])) if match[3] else first))
+    return spans
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -41,8 +59,9 @@ class Patch:
     ``owner`` is ``"module"``, ``"module:Class"`` or, for a config, ``"module:Class.attribute"``
     (the object the class holds). A ``REPLACE`` row is ``owner.attribute = replace(original)``;
     any other row has no ``replace`` and names the functions that make the change, as
-    ``"path/of/module.py:qualified.name"`` (``where``). ``versions`` None: every release the plugin
-    supports (``plugin.SUPPORTED_VLLM``)."""
+    ``"path/of/module.py:qualified.name"`` (``where``). ``versions``: the vLLM minors the change is
+    made in (``minor_spans``); None: every release the plugin supports (``plugin.SUPPORTED_VLLM``);
+    ``OUTSIDE_RANGE``: only the others."""
 
     owner: str
     attribute: str
@@ -55,11 +74,25 @@ class Patch:
     versions: str | None = None
     where: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.versions not in (None, OUTSIDE_RANGE):
+            minor_spans(self.versions)  # a text the range check cannot read fails here, at import
+
     @classmethod
     def made_by(cls, kind: str, owner: str, attribute: str, why: str, *, where: tuple[str, ...], when: str,
                 versions: str | None = None) -> Patch:
         """A row for a change the plugin's own code makes (``where``), not ``Patch.apply``."""
         return cls(owner, attribute, why, when=when, at_load=False, kind=kind, versions=versions, where=where)
+
+    def claims(self, version: str) -> bool:
+        """Whether the row says it is made in vLLM ``version`` (``"0.30.0"``); a row without
+        ``versions`` claims every release (the caller knows the supported range)."""
+        if self.versions is None:
+            return True
+        if self.versions == OUTSIDE_RANGE:
+            return False
+        minor = tuple(int(part) for part in version.split(".")[:2])
+        return any(first <= minor <= last for first, last in minor_spans(self.versions))
 
     @property
     def name(self) -> str:

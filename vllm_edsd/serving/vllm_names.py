@@ -4,9 +4,16 @@
 The plugin imports vLLM lazily and wraps what it replaces with ``*args, **kwargs`` where it
 can, so a name vLLM moves or reshapes shows up only when an engine reaches it. This table
 says, per name, what the plugin needs, so that a release can be checked by reading its source
-(``ast``), without a GPU and without importing it. ``PATCHED`` holds one entry per row of
-``plugin.PATCHES`` and ``plugin.REFUSAL`` (the script fails on a row without one); ``READ``
-holds what the plugin reads, calls, subclasses or sets without replacing it.
+(``ast``), without a GPU and without importing it.
+
+Every row of ``plugin.PATCHES`` and ``plugin.REFUSAL`` is checked, as its kind calls for
+(``expected``): a row names its owner and attribute, and ``PATCHED`` records only what a row
+cannot say (the signature a replacement, a hook or an override expects, the class vLLM
+instantiates, a config attribute's counterpart in vLLM); the kinds a row describes fully
+(a private attribute, an environment variable, an exception) are checked from the row
+alone. A row of another kind without an entry has no check, and tests/unit/test_vllm_range.py
+fails. ``READ`` holds what the plugin reads, calls or subclasses without changing it: a name
+that is a row is not listed again there.
 
 ``signature`` is a callable's parameters as the plugin uses them, comma-separated: the
 leading names in order, then ``...`` where any further parameters may follow, and after it
@@ -21,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_edsd.checkpoint.layouts import EDSD_VLLM
+from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, LIMITER_ATTRIBUTE
+from vllm_edsd.serving.patching import ENVIRONMENT, EXCEPTION, PRIVATE, Patch
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,11 @@ class VllmName:
     attributes the plugin's subclass sets instead of calling this ``__init__``; vLLM's own
     ``__init__`` must set no other. ``reaches``: subclasses (``"module:Class"``) vLLM uses in
     place of the owner, which a replacement of ``name`` on the owner must reach: they inherit
-    it, or their own calls it through ``super()``."""
+    it, or their own calls it through ``super()``. ``used_as``: subclasses vLLM instantiates,
+    where ``name`` is checked too (a hook set on an instance meets the method of the instance's
+    class). ``set_by``: ``"module:Class.method"`` of vLLM that assigns an attribute ``name`` too
+    (a config attribute the plugin sets as vLLM's own code does). ``not_checked``: why vLLM's
+    source has nothing to check (the plugin's own attribute); the row is n/a everywhere."""
 
     owner: str
     name: str
@@ -50,6 +63,9 @@ class VllmName:
     applies_if: str = ""
     sets: tuple[str, ...] = ()
     reaches: tuple[str, ...] = ()
+    used_as: tuple[str, ...] = ()
+    set_by: str = ""
+    not_checked: str = ""
 
     @property
     def label(self) -> str:
@@ -70,14 +86,23 @@ _CONNECTOR = "target/host_connector.py"
 _FEATURES = "target/vllm_features.py"
 _CPU_KERNELS = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
 
-# The replaced attributes (plugin.PATCHES, plugin.REFUSAL), by owner and attribute.
+_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+_EAGLE_PROPOSER = "vllm.v1.spec_decode.eagle:EagleProposer"  # the proposer of "eagle3", so of "edsd"
+_EXTRACTION = "without it, edsd features/train use transformers for the target's hidden states"
+_CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+_CONNECTOR_CLASS = _CONNECTOR_MODULE + ":ExampleHiddenStatesConnector"
+_EAGLE3 = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
+_DRAFTER_CONFIG = "vllm.config:ModelConfig.hf_config"
+
+# What a row of plugin.PATCHES (or plugin.REFUSAL) cannot say itself, by its owner and
+# attribute: one entry serves every row of that name (the replacement of
+# SpeculativeConfig.__init__, the refusal, and the exception raised through it).
 PATCHED: tuple[VllmName, ...] = (
     VllmName("vllm.config:SpeculativeConfig", "__init__", _PLUGIN,
              "self, ..., method, model, num_speculative_tokens, draft_sample_method"),
     VllmName("vllm.engine.arg_utils:EngineArgs", "create_engine_config", _PLUGIN, "self, ...",
              reaches=("vllm.engine.arg_utils:AsyncEngineArgs",)),
-    VllmName("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "load_model", _PLUGIN, "self, ...",
-             reaches=("vllm.v1.spec_decode.eagle:EagleProposer",)),
+    VllmName(_PROPOSER, "load_model", _PLUGIN, "self, ...", reaches=(_EAGLE_PROPOSER,)),
     VllmName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids", _PLUGIN, "self, ...",
              reaches=("vllm.v1.worker.cpu_model_runner:CPUModelRunner",)),
     VllmName("vllm.v1.engine.input_processor:InputProcessor", "_validate_params", _PLUGIN, "self, params, ..."),
@@ -87,11 +112,44 @@ PATCHED: tuple[VllmName, ...] = (
              applies_if="!" + _CPU_KERNELS),
     VllmName("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", "serving/cpu_sampling.py",
              "x, cu_num_tokens, num_tokens, replace_from, replace_to"),
+    # instance hooks: the hook passes propose's arguments on, and vLLM's loop calls the sampling
+    # hook as it calls its own method; the limiter's attribute must be no name of vLLM's
+    VllmName(_PROPOSER, "propose", _LIMITER, "self, ...", used_as=(_EAGLE_PROPOSER,)),
+    VllmName(_PROPOSER, "_sample_draft_tokens", _LIMITER, "self, hidden_states, sampling_metadata",
+             used_as=(_EAGLE_PROPOSER,)),
+    VllmName(_PROPOSER, LIMITER_ATTRIBUTE, _LIMITER, absent=True, used_as=(_EAGLE_PROPOSER,)),
+    # the override: vLLM's connector calls it as it calls its own
+    VllmName(_CONNECTOR_CLASS, "_submit_async_write", _CONNECTOR, "self, pending", optional=_EXTRACTION),
+    # config attributes on the drafter's hf_config
+    VllmName(_DRAFTER_CONFIG, CONFIG_ATTRIBUTE, _PLUGIN,
+             not_checked="our own attribute: it carries the plugin's settings to its own model class, and no "
+                         "vLLM code reads it"),
+    VllmName(_DRAFTER_CONFIG, "draft_vocab_size", _MODEL, set_by=_EAGLE3 + ".__init__"),
+    VllmName(_DRAFTER_CONFIG, "target_layer_count", _MODEL, set_by=_EAGLE3 + ".__init__"),
 )
 
+# Owners the plugin can go without: a row on them that a release lacks is no break.
+WITHOUT: dict[str, str] = {_CONNECTOR_CLASS: _EXTRACTION}
+
+
+def expected(patch: Patch) -> VllmName | None:
+    """What the range check reads for ``patch``: its entry in ``PATCHED``, else, for a kind the
+    row describes fully, the row's own owner and attribute (a private attribute is assigned or
+    defined in the owner or a vLLM base class; an environment variable is one vLLM's
+    ``envs.environment_variables`` reads; an exception's method exists). None: the row has no
+    check (a replacement, hook or override needs the signature it expects recorded)."""
+    recorded = {(e.owner, e.name): e for e in PATCHED}.get((patch.owner, patch.attribute))
+    if recorded is not None:
+        return recorded
+    used_by = ", ".join(place.removeprefix("vllm_edsd/") for place in patch.where)
+    if patch.kind == ENVIRONMENT:
+        return VllmName(f"{patch.owner}:environment_variables", patch.attribute, used_by)
+    if patch.kind in (PRIVATE, EXCEPTION):
+        return VllmName(patch.owner, patch.attribute, used_by, optional=WITHOUT.get(patch.owner, ""))
+    return None
+
+
 _EXTRACTION = "without it, edsd features/train use transformers for the target's hidden states"
-_CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-_EAGLE3 = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
 EAGLE3_ATTRIBUTES = ("config", "draft_id_to_target_id", "lm_head", "logits_processor", "model",
                       "use_parallel_drafting")
 _LINEAR = "self, input_size, output_size, ..., bias, quant_config, prefix, return_bias"
@@ -136,8 +194,6 @@ READ: tuple[VllmName, ...] = (
     *_of("vllm.config.scheduler:SchedulerConfig", _LIMITER, "async_scheduling"),
     *_of("vllm.config.parallel:ParallelConfig", _PLUGIN, "data_parallel_size"),
     *_of("vllm.envs:environment_variables", _LIMITER, "VLLM_USE_V2_MODEL_RUNNER"),
-    *_of("vllm.envs:environment_variables", _ENGINE, "VLLM_USE_AOT_COMPILE"),
-    *_of("vllm.envs:environment_variables", _FEATURES, "VLLM_CPU_NUM_OF_RESERVED_CPU"),
     # the runner and the proposer the draft-length limiter works with
     *_of("vllm.v1.worker.gpu_model_runner:GPUModelRunner", _PLUGIN, "input_batch", "requests",
          "speculative_config", "drafter"),
@@ -145,11 +201,9 @@ READ: tuple[VllmName, ...] = (
     *_of("vllm.v1.worker.gpu_input_batch:CachedRequestState", _LIMITER, "sampling_params"),
     *_of("vllm.sampling_params:SamplingParams", _LIMITER, "extra_args"),
     *_of("vllm.v1.engine.input_processor:InputProcessor", _PLUGIN, "vllm_config"),
-    *_of("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", _LIMITER, ("propose", "self, ..."),
-         ("_sample_draft_tokens", "self, hidden_states, sampling_metadata"), "_last_draft_probs", "model",
-         "vllm_config"),
-    VllmName("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "use_local_argmax_reduction",
-             _PLUGIN, optional="read with getattr: where absent, the drafter's logits are always whole"),
+    *_of(_PROPOSER, _LIMITER, "model", "vllm_config"),
+    VllmName(_PROPOSER, "use_local_argmax_reduction", _PLUGIN,
+             optional="read with getattr: where absent, the drafter's logits are always whole"),
     *_of("vllm.platforms:current_platform", _ENGINE, ""),
     *_of("vllm.platforms.interface:Platform", _ENGINE, ("is_cpu", "self")),
     # the draft model: a subclass of vLLM's EAGLE-3 Llama drafter, built from vLLM's layers
@@ -196,6 +250,4 @@ READ: tuple[VllmName, ...] = (
          ("extract_from_kv_cache", "kv_cache, slot_mapping, num_tokens"), optional=_EXTRACTION),
     *_of(_CONNECTOR_MODULE + ":PendingSave", _CONNECTOR, ("", "self, ..., req_id, filename, token_ids, block_ids"),
          optional=_EXTRACTION),
-    *_of(_CONNECTOR_MODULE + ":ExampleHiddenStatesConnector", _CONNECTOR, ("_submit_async_write", "self, pending"),
-         "_kv_cache", "_is_tp_rank_zero", "_block_size", "_lock_fds", "_req_copy_events", optional=_EXTRACTION),
 )
