@@ -22,6 +22,9 @@ ROWS=(
   "edsd|"                                     # EDSelect's layers, the shipped optimizer
   "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream
   "edsd|$COSINE --no-step-n"                  # every TTT step from the first epoch
+  "edsd|$COSINE --ttt-steps 7"                # the paper's S_max = 7 over the epochs run: n_t = 1, 4, 7
+  "edsd|$COSINE --layers 15,27"               # EAGLE-3's middle and top layers, EDSD's fusion
+  "edsd|$COSINE --fuse-intermediate-size 576" # EDFuse at the target's width (the paper's no-extra-parameters one)
   "edsd|--lr 5e-4 $COSINE"
   "eagle3|--lr 5e-4 $COSINE"
 )
