@@ -19,10 +19,14 @@ from vllm_edsd.launch.engine import engine_dtype, llm_session, spec_counters, sp
 from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD, REQUEST_KEY, check_request_cap
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
+# The n-gram lengths prompt lookup matches, alone (``ngram``) and beside the drafter
+# (``edsd+lookup``): 2 to 4 tokens, as vLLM's examples use; vLLM's own default is 5 to 5.
+NGRAM_LENGTHS = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # Methods that are another method's drafter under other serving settings: name -> (drafter's
 # method, speculative-config fields). ``edsd-batch-table`` is vLLM's own K-by-batch-size table
 # (``num_speculative_tokens_per_batch_size``), set from the static K figures of this CPU: K up
-# to batch 4, K/2 to 16, 1 above.
+# to batch 4, K/2 to 16, 1 above. ``edsd+lookup`` drafts by prompt lookup where it matches and
+# by the EDSD drafter elsewhere (docs/serving.md, "Prompt lookup beside the drafter").
 VARIANTS = {
     "edsd-adaptive": (
         "edsd",
@@ -34,12 +38,13 @@ VARIANTS = {
             "num_speculative_tokens_per_batch_size": [[1, 4, k], [5, 16, max(1, k // 2)], [17, 17, 1]]
         },
     ),
+    "edsd+lookup": ("edsd", lambda k, threshold: dict(NGRAM_LENGTHS)),
 }
 
 
 # Methods that need no drafter: vLLM's prompt lookup, the baseline a user tries before training
-# anything (n-grams of 2 to 4 tokens, as vLLM's examples use; vLLM's own default is 5 to 5).
-TRAINING_FREE = {"ngram": {"prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+# anything.
+TRAINING_FREE = {"ngram": NGRAM_LENGTHS}
 
 
 def drafter_method(method: str) -> str:

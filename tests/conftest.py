@@ -174,6 +174,13 @@ def reference_chains(target_dir: str, source: str, specforge: bool = False, k: i
 CAPS = [0, 1, 4, None, 0, 1, 4, 2]
 
 
+def per_request_metrics() -> bool:
+    """Whether this vLLM reports spec-decode metrics per request (0.32 does, 0.27 does not)."""
+    from vllm.config import ObservabilityConfig
+
+    return "per_request_spec_decode_metrics" in ObservabilityConfig.__dataclass_fields__
+
+
 def capped_phase(name: str, prompts: list, caps: list, max_tokens: int) -> dict:
     """A greedy phase with one cap per prompt (None: no cap), the whole batch at once, every
     draft step's rows recorded with their caps."""

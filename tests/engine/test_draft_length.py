@@ -13,6 +13,7 @@ from conftest import (
     assert_counters_match,
     capped_phase,
     edsd_spec,
+    per_request_metrics,
     predicted_counters,
 )
 
@@ -27,13 +28,6 @@ def capped_run(trained, engine_runs) -> dict:
            "phases": [capped_phase("mixed", trained["prompts"], CAPS, FITTED_TOKENS),
                       capped_phase("all-off", trained["prompts"], [0] * len(CAPS), FITTED_TOKENS)]}
     return engine_runs("fitted-edsd-capped", job)["phases"]
-
-
-def per_request_metrics() -> bool:
-    """Whether this vLLM reports spec-decode metrics per request (0.32 does, 0.27 does not)."""
-    from vllm.config import ObservabilityConfig
-
-    return "per_request_spec_decode_metrics" in ObservabilityConfig.__dataclass_fields__
 
 
 def caps_or_k(caps: list[int | None]) -> list[int]:

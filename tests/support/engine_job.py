@@ -4,7 +4,8 @@ Engine tests describe a job (target, speculative config, engine options, and pha
 prompts + sampling parameters; the target may be a drafter directory served alone, with no
 speculative config: docs/formats.md, "Speculators format"); this script builds the engine once, runs the phases in
 order and writes token ids, vLLM's spec-decode counters and preemptions per phase and, on request, the
-draft tokens the drafter proposed (read out of the worker with ``collective_rpc``).
+draft tokens the drafter proposed and the prompt lookup's counts per draft source (read out of the
+worker with ``collective_rpc``).
 A separate process per engine keeps engines from sharing memory or state between tests
 and turns an engine crash into a readable test failure.
 
@@ -65,6 +66,21 @@ def _take_recorded(worker) -> tuple[list, list]:
     return recorded, caps
 
 
+def draft_sources(llm) -> dict | None:
+    """The prompt lookup's counts per draft source (lookup, drafter) on the first worker."""
+    from vllm_edsd.serving.lookup import draft_source_counts
+
+    return llm.collective_rpc(draft_source_counts)[0]
+
+
+def difference(after: dict | None, before: dict | None) -> dict | None:
+    """Per-source counts gained between two readings."""
+    if after is None or before is None:
+        return None
+    return {source: {name: value - before[source][name] for name, value in counts.items()}
+            for source, counts in after.items()}
+
+
 def preemptions(llm) -> int:
     """How often the scheduler has preempted a request (its KV cache ran out) so far."""
     return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
@@ -89,6 +105,7 @@ def main(job_path: str, out_path: str) -> None:
         if record or record_batch:
             llm.collective_rpc(_install_recorder)
         before, preempted_before = spec_counters(llm), preemptions(llm)
+        sources_before = draft_sources(llm) if phase.get("draft_sources") else None
         outputs, proposals, batch_steps, request_metrics = [], [], [], []
         # Recorded proposals are attributed to a prompt by running prompts one at a time
         # (``record_batch``: the whole batch at once, each step's rows with their caps).
@@ -113,6 +130,7 @@ def main(job_path: str, out_path: str) -> None:
             "batch_steps": batch_steps,
             "request_metrics": request_metrics,
             "preemptions": preemptions(llm) - preempted_before,
+            "draft_sources": difference(draft_sources(llm), sources_before) if sources_before else None,
         }
     with open(out_path, "w") as f:
         json.dump(result, f)

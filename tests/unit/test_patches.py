@@ -52,7 +52,7 @@ from vllm_edsd.serving.plugin import PATCHES, SUPPORTED_VLLM
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("vllm_edsd", "weights_convert")
 # Parameters that hold vLLM's objects wherever this package uses the name.
-VLLM_PARAMETERS = frozenset({"proposer", "vllm_config", "hf_config", "llm"})
+VLLM_PARAMETERS = frozenset({"proposer", "runner", "vllm_config", "speculative_config", "hf_config", "llm"})
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,7 @@ class DraftLengthLimiter:
         self.first_stop_step = 2 if data_parallel else 1
         self._propose, self._sample = proposer.propose, proposer._sample_draft_tokens
         self.caps: list[int] | None = None
+        self.lookup: Any = None  # this worker's prompt lookup (lookup.LookupDrafting), where the config asks for one
         self.tokens: list[torch.Tensor] = []
         self.probs: list[torch.Tensor] = []
         self.lengths: torch.Tensor | None = None

