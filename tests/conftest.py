@@ -33,6 +33,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 
 # Eight prompts of different lengths; token ids of the toy tokenizer's vocabulary.
 PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 3 + i)] for i in range(8)]
+# Six prompts, each one of two 257-token prefixes (two blocks of vLLM's CPU default of 128
+# tokens, and one token more) and its own few tokens: once a prefix's first request has run,
+# the prefix cache holds it for the others (tests/engine/test_prefix_caching.py).
+SHARED_PREFIXES = [[1, *range(20, 276)], [1, *range(500, 244, -1)]]
+SHARED_PREFIX_PROMPTS = [SHARED_PREFIXES[which] + list(range(280 + 10 * i, 285 + 11 * i))
+                         for i, which in enumerate([0, 1, 0, 1, 1, 0])]
+# Their draft-length caps one request at a time, in order: the first prefix first computed by a
+# request that opted out of drafting, the second by a drafting one; then hits on both, uncapped,
+# capped and opted out.
+SHARED_PREFIX_CAPS = [0, None, None, 2, 0, 1]
 
 separate_worker_engines()
 
@@ -181,10 +191,27 @@ def per_request_metrics() -> bool:
     return "per_request_spec_decode_metrics" in ObservabilityConfig.__dataclass_fields__
 
 
-def capped_phase(name: str, prompts: list, caps: list, max_tokens: int) -> dict:
+def llama_edsd_eager(models: dict, engine_runs) -> dict:
+    """The toy Llama target with its EDSD drafter (K=4), eager and in float32 like the reference,
+    vLLM's defaults otherwise (prefix caching on): PROMPTS (test_serving.py), then
+    SHARED_PREFIX_PROMPTS one at a time with their caps (test_prefix_caching.py), every chain
+    recorded."""
+    job = {
+        "target": models["llama"],
+        "speculative_config": edsd_spec(models["llama-edsd"]),
+        "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
+        "phases": [greedy_phase(record_proposals=True),
+                   capped_phase("shared-prefix", SHARED_PREFIX_PROMPTS, SHARED_PREFIX_CAPS, SHARED_PREFIX_TOKENS,
+                                alone=True)],
+    }
+    return engine_runs("llama-edsd-eager", job)
+
+
+def capped_phase(name: str, prompts: list, caps: list, max_tokens: int, alone: bool = False) -> dict:
     """A greedy phase with one cap per prompt (None: no cap), the whole batch at once, every
-    draft step's rows recorded with their caps."""
-    phase = greedy_phase(name, prompts, max_tokens, record_batch=True)
+    draft step's rows recorded with their caps (``alone``: one request at a time, every chain
+    recorded)."""
+    phase = greedy_phase(name, prompts, max_tokens, **{"record_proposals" if alone else "record_batch": True})
     phase["sampling"] = [{**phase["sampling"], "extra_args": {} if cap is None else {"num_speculative_tokens": cap}}
                          for cap in caps]
     return phase
@@ -200,6 +227,7 @@ def greedy_phase(name: str = "greedy", prompts: list | None = None, max_tokens: 
 
 
 FITTED_TOKENS = 40
+SHARED_PREFIX_TOKENS = 24
 MAX_MODEL_LEN = 256
 # 10 blocks of 32 tokens (the CPU attention's block size is a multiple of 32) hold 320 tokens:
 # eight FITTED_TOKENS requests on the fitted target start in about 10 blocks and grow to 19
@@ -443,15 +471,16 @@ def plain_outputs(trained, engine_runs) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def baseline(models, engine_runs):
-    """Greedy outputs of each toy target without speculation."""
+    """Greedy outputs of each toy target without speculation: of PROMPTS (phase ``greedy``) and
+    of SHARED_PREFIX_PROMPTS (``shared-prefix``)."""
 
-    def outputs(arch: str) -> list[list[int]]:
+    def outputs(arch: str, phase: str = "greedy") -> list[list[int]]:
         job = {
             "target": models[arch],
             "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
-            "phases": [greedy_phase()],
+            "phases": [greedy_phase(), greedy_phase("shared-prefix", SHARED_PREFIX_PROMPTS, SHARED_PREFIX_TOKENS)],
         }
-        return engine_runs(f"baseline-{arch}", job)["phases"]["greedy"]["outputs"]
+        return engine_runs(f"baseline-{arch}", job)["phases"][phase]["outputs"]
 
     return outputs
 

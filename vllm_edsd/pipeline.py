@@ -67,7 +67,8 @@ ttt_steps = 4
 lr = 1e-3
 batch_size = 8
 draft_vocab_size = 4096
-# max_length = 448                       # default: answer_tokens + 256 when regenerating
+# max_length = 448                       # default: answer_tokens + 256 when regenerating (at most the
+                                         # target's context less one, like every length here)
 seed = 0
 device = "cuda"
 # save_every = 500                       # batches: also save the state within an epoch (resumable)
@@ -84,7 +85,7 @@ SCHEMA: dict[str, dict[str, tuple[Any, Any]]] = {
     "data": {"file": (str, None), "sharegpt_chat": (int, 0), "sharegpt_code": (int, 0), "seed": (int, 0),
              "exclude": (list[str], []), "regenerate": (bool, False), "answer_tokens": (int, 192)},
     "layers": {"edsd": (list[int], None), "eagle3": (list[int], None), "select_samples": (int, 128),
-               "select_max_length": (int, 512)},
+               "select_max_length": (int, None)},
     "train": {"methods": (list[str], ["edsd"]), "epochs": (int, None), "ttt_steps": (int, None),
               "lr": (float, None), "lr_schedule": (str, None), "warmup": (float, None),
               "weight_decay": (float, None), "batch_size": (int, None), "draft_vocab_size": (int, None),
@@ -292,8 +293,24 @@ class Plan:
         self.layers_json = self.work / "layers.json"
         train = dict(cfg["train"])
         if train["max_length"] is None and cfg["data"]["regenerate"]:
-            train["max_length"] = cfg["data"]["answer_tokens"] + 256  # a prompt of up to 256 tokens and its answer
+            # a prompt of up to 256 tokens and its answer, as far as the target's context holds them
+            train["max_length"] = self.length(None, cfg["data"]["answer_tokens"] + 256, "train.max_length", 1)
         self.train = train
+
+    def length(self, given: int | None, default: int, key: str, reserve: int = 0) -> int | None:
+        """A length the stages run the target on (``sequence_length``), checked before any stage
+        runs; a target not yet there (``--dry-run``) is left to the stage."""
+        from vllm_edsd.checkpoint.config import sequence_length
+
+        if not (Path(self.target) / "config.json").is_file():
+            return given if given is not None else default
+        return sequence_length(self.target, given, default, key, reserve)
+
+    def check_lengths(self) -> None:
+        """The lengths the config sets, against the target's context: one line now rather than
+        at the stage that reads them, after the stages before it ran."""
+        self.length(self.cfg["layers"]["select_max_length"], 0, "layers.select_max_length")
+        self.length(self.cfg["train"]["max_length"], 0, "train.max_length", 1)
 
     # -- data
     def prompts(self) -> Path:
@@ -339,8 +356,8 @@ class Plan:
         layers = self.cfg["layers"]
         plot = ["--plot", str(self.work / "layers.png")] if importlib.util.find_spec("matplotlib") else []
         return ["select", self.target, "--data", str(self.data()), "--samples", str(layers["select_samples"]),
-                "--max-length", str(layers["select_max_length"]), "--out", str(self.layers_json), *plot,
-                *flags(self.train, ("seed", "device"))]
+                *flags({"max_length": layers["select_max_length"]}, ("max_length",)), "--out", str(self.layers_json),
+                *plot, *flags(self.train, ("seed", "device"))]
 
     def feature_ids(self) -> str:
         if "edsd" in self.train["methods"] and not self.cfg["layers"]["edsd"] and not self.layers_json.is_file():
@@ -510,6 +527,7 @@ def run_pipeline(cfg: Config, stop_after: str | None = None, dry: bool = False) 
     if not (Path(cfg["target"]["path"]) / "config.json").is_file():
         raise EDSDError(f"target.path: {cfg['target']['path']} is not a model directory (no config.json)")
     plan = Plan(cfg)
+    plan.check_lengths()
     stages = plan.stages()
     if stop_after not in (None, "train", *(s.name for s in stages)):
         raise EDSDError(f"--stop-after {stop_after}: not a stage of this config ({', '.join(s.name for s in stages)})")

@@ -13,6 +13,7 @@ from conftest import (
     edited_copy,
     edsd_spec,
     greedy_phase,
+    llama_edsd_eager,
     predicted_counters,
     reference_chains,
     serve_fitted,
@@ -26,14 +27,8 @@ K = 4
 
 @pytest.fixture(scope="module")
 def eager_run(models, engine_runs) -> dict:
-    job = {
-        "target": models["llama"],
-        "speculative_config": edsd_spec(models["llama-edsd"]),
-        # float32 like the reference (vLLM on CPU would otherwise pick bfloat16).
-        "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
-        "phases": [greedy_phase(record_proposals=True)],
-    }
-    return engine_runs("llama-edsd-eager", job)
+    # float32 like the reference (vLLM on CPU would otherwise pick bfloat16).
+    return llama_edsd_eager(models, engine_runs)
 
 
 @pytest.mark.vllm_range
@@ -60,7 +55,7 @@ def test_drafter_with_rope_cache_and_kv_scales_serves_the_same(models, engine_ru
                           edit_tensors=lambda t: t.update(side))
     job = {"target": models["llama"], "speculative_config": edsd_spec(str(drafter)),
            "llm_kwargs": {"enforce_eager": True, "dtype": "float32"}, "phases": [greedy_phase(record_proposals=True)]}
-    assert engine_runs("llama-edsd-side-tensors", job)["phases"] == eager_run["phases"]
+    assert engine_runs("llama-edsd-side-tensors", job)["phases"]["greedy"] == eager_run["phases"]["greedy"]
 
 
 PARITY_PROMPTS, PARITY_TOKENS = PROMPTS[:3], 32

@@ -3,9 +3,10 @@
 Engine tests describe a job (target, speculative config, engine options, and phases of
 prompts + sampling parameters; the target may be a drafter directory served alone, with no
 speculative config: docs/formats.md, "Speculators format"); this script builds the engine once, runs the phases in
-order and writes token ids, vLLM's spec-decode counters and preemptions per phase and, on request, the
-draft tokens the drafter proposed and the prompt lookup's counts per draft source (read out of the
-worker with ``collective_rpc``).
+order and writes token ids, vLLM's spec-decode counters, preemptions and what the prefix cache
+held (per request and vLLM's counters) per phase and, on request, the draft tokens the drafter
+proposed and the prompt lookup's counts per draft source (read out of the worker with
+``collective_rpc``).
 A separate process per engine keeps engines from sharing memory or state between tests
 and turns an engine crash into a readable test failure.
 
@@ -39,12 +40,21 @@ def _install_recorder(worker) -> None:
     def propose(*args, **kwargs):
         # A tensor (V1 and V2), or one list per request (adaptive length, per-request caps).
         draft = original(*args, **kwargs)
-        if not kwargs.get("dummy_run", False):  # V2's warm-up and padding runs draft nothing real
+        # V2's warm-up and padding runs draft nothing real; vLLM discards what is drafted after a
+        # chunk of a prompt that is not its last
+        if not kwargs.get("dummy_run", False) and not _prefilling(runner):
             drafter._edsd_recorded.append(draft if isinstance(draft, list) else draft.tolist())
             drafter._edsd_recorded_caps.append(_row_caps(runner, len(drafter._edsd_recorded[-1])))
         return draft
 
     drafter.propose = propose
+
+
+def _prefilling(runner) -> bool:
+    """Whether every request of the runner's step is a prompt still being prefilled in chunks
+    (V1's ``discard_request_mask``; never on Model Runner V2, which has none)."""
+    mask, batch = getattr(runner, "discard_request_mask", None), getattr(runner, "input_batch", None)
+    return mask is not None and batch is not None and batch.num_reqs > 0 and bool(mask.np[: batch.num_reqs].all())
 
 
 def _row_caps(runner, rows: int) -> list:
@@ -86,6 +96,16 @@ def preemptions(llm) -> int:
     return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
 
 
+def prefix_cache(llm) -> dict[str, int]:
+    """The prompt tokens looked up in the prefix cache so far, and those found there."""
+    counts = {"queries": 0, "hits": 0}
+    for metric in llm.get_metrics():
+        key = {"vllm:prefix_cache_queries": "queries", "vllm:prefix_cache_hits": "hits"}.get(metric.name)
+        if key:
+            counts[key] += int(metric.value)
+    return counts
+
+
 def main(job_path: str, out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -104,9 +124,9 @@ def main(job_path: str, out_path: str) -> None:
         record, record_batch = phase.get("record_proposals", False), phase.get("record_batch", False)
         if record or record_batch:
             llm.collective_rpc(_install_recorder)
-        before, preempted_before = spec_counters(llm), preemptions(llm)
+        before, preempted_before, cache_before = spec_counters(llm), preemptions(llm), prefix_cache(llm)
         sources_before = draft_sources(llm) if phase.get("draft_sources") else None
-        outputs, proposals, batch_steps, request_metrics = [], [], [], []
+        outputs, proposals, batch_steps, request_metrics, cached = [], [], [], [], []
         # Recorded proposals are attributed to a prompt by running prompts one at a time
         # (``record_batch``: the whole batch at once, each step's rows with their caps).
         one_at_a_time = record or phase.get("one_at_a_time", False)
@@ -115,6 +135,7 @@ def main(job_path: str, out_path: str) -> None:
         for group, group_params in groups:
             for output in llm.generate(group, group_params, use_tqdm=False):
                 outputs.append(list(output.outputs[0].token_ids))
+                cached.append(getattr(output, "num_cached_tokens", None))  # prompt tokens the prefix cache held
                 # vLLM's per-request spec-decode metrics, where it has them and they are on.
                 metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
                 request_metrics.append(None if metrics is None else metrics.to_dict())
@@ -131,6 +152,8 @@ def main(job_path: str, out_path: str) -> None:
             "request_metrics": request_metrics,
             "preemptions": preemptions(llm) - preempted_before,
             "draft_sources": difference(draft_sources(llm), sources_before) if sources_before else None,
+            "cached_tokens": cached,
+            "prefix_cache": {key: value - cache_before[key] for key, value in prefix_cache(llm).items()},
         }
     with open(out_path, "w") as f:
         json.dump(result, f)

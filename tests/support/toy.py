@@ -65,10 +65,12 @@ def make_target(
     seed: int = 0,
     train_steps: int = 0,
     chat_template: bool = True,
+    max_position_embeddings: int = 2048,
 ) -> Path:
     """A causal LM with a tokenizer, loadable by transformers and vLLM: random weights, or
     with ``train_steps`` a model fitted to the toy corpus (confident where it memorised); a
-    base model's tokenizer, without a chat template, where ``chat_template`` is False."""
+    base model's tokenizer, without a chat template, where ``chat_template`` is False; a
+    context of ``max_position_embeddings`` tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
@@ -82,7 +84,7 @@ def make_target(
         intermediate_size=intermediate_size,
         vocab_size=vocab_size,
         head_dim=hidden_size // num_heads,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

@@ -24,7 +24,7 @@ ROOMS: dict[str, set[str]] = {
     "vllm_edsd.checkpoint": {"vllm_edsd.errors"},
     "vllm_edsd.model": {"vllm_edsd.errors", "vllm_edsd.checkpoint"},
     "vllm_edsd.target": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.data", "vllm_edsd.launch"},
-    "vllm_edsd.launch": {"vllm_edsd.errors"},
+    "vllm_edsd.launch": {"vllm_edsd.errors", "vllm_edsd.checkpoint"},
     "vllm_edsd.serving": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.model", "vllm_edsd.launch"},
     "vllm_edsd.conversion": {"vllm_edsd.errors", "vllm_edsd.version", "vllm_edsd.checkpoint", "vllm_edsd.model"},
     "vllm_edsd.training": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.model", "vllm_edsd.data",

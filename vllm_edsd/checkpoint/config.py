@@ -257,7 +257,7 @@ class EDSDConfig:
         m = the target's FFN width, the target's attention geometry and RoPE; the token
         norm of SpecForge's EDSD unless asked otherwise). ``source`` names the target's file
         in errors."""
-        t = target.get("text_config") or target
+        t = text_config(target, source)
         fingerprint = TargetFingerprint.from_hf_config(t, source)
         copied = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                   "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "rope_theta",
@@ -571,12 +571,71 @@ def read_config_json(path: str | Path) -> dict:
     return raw
 
 
+def text_config(config: dict, source: str = "the target's config.json") -> dict:
+    """A target's text settings: its config.json itself, or, for a multimodal model (a vision
+    or audio tower beside the language model), the ``text_config`` it nests them in."""
+    nested = config.get("text_config")
+    if nested is None:
+        return config
+    if not isinstance(nested, dict):
+        raise EDSDError(f"{source}: field 'text_config' must be an object, got {nested!r:.80}")
+    return nested
+
+
 def decoder_layers(path: str | Path) -> int:
     """A target's number of decoder layers (vLLM's aux id of the last layer's output), from
     its config.json (a multimodal model's text config)."""
-    config = read_config_json(path)
-    layers = (config.get("text_config") or config).get("num_hidden_layers")
+    layers = text_config(read_config_json(path), f"{path}/config.json").get("num_hidden_layers")
     source = Path(path) / "config.json"
     if layers is None:
         raise EDSDError(f"{source}: missing field 'num_hidden_layers' (the target's number of decoder layers)")
     return check_size(layers, f"{source}: field 'num_hidden_layers'")
+
+
+# Where vLLM reads a model's context from (the smallest found counts, model_max_length over all),
+# and the RoPE types whose max_position_embeddings already includes the scaling (vLLM's
+# ModelConfig: derive_max_model_len_and_key and _get_and_verify_max_len).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+SCALED_CONTEXT = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def context_length(path: str | Path) -> int | None:
+    """The most tokens a target holds in one sequence, prompt and answer together, as vLLM
+    derives it (its default ``max_model_len``): from the text settings of its config.json,
+    scaled by a linear or dynamic RoPE factor (the tokenizer's ``model_max_length`` counts for
+    vLLM's pooling models only). None when the config names no length (vLLM then assumes 2,048).
+    Every stage that runs the target fits its sequences to this, so that a target with a
+    short context is trained on what it can read."""
+    source = f"{path}/config.json"
+    config = text_config(read_config_json(path), source)
+    found = {key: config[key] for key in CONTEXT_KEYS if config.get(key) is not None}
+    for key, value in found.items():
+        positive_int(value, f"{source}: field '{key}'")
+    if not found:
+        return None
+    length = found.get("model_max_length", min(found.values()))
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if not isinstance(rope, dict) or "gemma3" in str(config.get("model_type")):
+        return length
+    if rope.get("rope_type", rope.get("type", "default")) in SCALED_CONTEXT or rope.get("factor") is None:
+        return length
+    return int(length * check_constant(rope["factor"], f"{source}: RoPE 'factor'"))
+
+
+def sequence_length(target: str | Path, requested: int | None, default: int, flag: str, reserve: int = 0) -> int:
+    """The tokens per sequence a stage runs the target on: ``requested`` (the stage's ``flag``),
+    else ``default`` or, where the target's context holds fewer, as many as it holds, less the
+    ``reserve`` positions the engine needs past the sequence (vLLM's feature extraction
+    generates one token after each sample). A requested length the target cannot hold is
+    refused in one line before any engine starts: its samples would not be the ones asked for."""
+    context = context_length(target)
+    most = None if context is None else context - reserve
+    if requested is None:
+        return default if most is None else min(default, most)
+    positive_int(requested, flag)
+    if most is not None and requested > most:
+        spare = f", {reserve} of them kept for the token vLLM's feature extraction generates" if reserve else ""
+        raise EDSDError(f"{flag} {requested}: {target} holds {context} tokens per sequence{spare}; pass {flag} "
+                        f"{most} or less, or leave it out to follow the target")
+    return requested

@@ -29,6 +29,7 @@ from vllm_edsd.checkpoint.config import (
     TargetFingerprint,
     check_speculative_tokens,
     read_config_json,
+    text_config,
 )
 from vllm_edsd.checkpoint.files import (
     SAFETENSORS,
@@ -130,7 +131,8 @@ def resolve_source(src: Path) -> Path:
 
 def _target_fingerprint(raw: dict, target: str | Path) -> TargetFingerprint:
     """The target's fingerprint from its config.json (a multimodal model's text config)."""
-    return TargetFingerprint.from_hf_config(raw.get("text_config") or raw, f"{target}/config.json")
+    source = f"{target}/config.json"
+    return TargetFingerprint.from_hf_config(text_config(raw, source), source)
 
 
 def _target_embedding(target: str | Path) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_edsd.checkpoint.config import context_length
 from vllm_edsd.errors import EDSDError
 
 CPU_MEMORY_FRACTION = float(os.environ.get("EDSD_CPU_MEMORY_FRACTION", "0.25"))
@@ -91,7 +92,8 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
     defaults: dict[str, Any] = {"disable_log_stats": False, "seed": 0}
     use_cpu_workarounds()
     if on_cpu():
-        defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=CPU_MAX_MODEL_LEN, dtype=cpu_dtype())
+        defaults.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, max_model_len=cpu_max_model_len(target),
+                        dtype=cpu_dtype())
     defaults.update(kwargs)
     try:
         return LLM(model=target, speculative_config=spec, **defaults)
@@ -100,6 +102,16 @@ def make_llm(target: str, spec: dict | None = None, **kwargs: Any):
             raise
         raise EDSDError(f"vLLM's engine failed to start; the engine core logged its reason above (its ERROR lines)"
                         f"{cpu_memory_settings()}") from None
+
+
+def cpu_max_model_len(target: str) -> int:
+    """The context a CPU engine gets unless asked otherwise: ``CPU_MAX_MODEL_LEN``, or the
+    target's own where it is shorter (vLLM refuses a ``max_model_len`` past the target's). A
+    model vLLM resolves itself (a hub id) is left at ``CPU_MAX_MODEL_LEN``."""
+    if not Path(target, "config.json").is_file():
+        return CPU_MAX_MODEL_LEN
+    context = context_length(target)
+    return CPU_MAX_MODEL_LEN if context is None else min(CPU_MAX_MODEL_LEN, context)
 
 
 def cpu_memory_settings() -> str:

@@ -25,10 +25,10 @@ from typing import IO
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import (
-    CPU_MAX_MODEL_LEN,
     CPU_MEMORY_FRACTION,
     ENGINE_START_FAILED,
     cpu_dtype,
+    cpu_max_model_len,
     cpu_memory_settings,
     on_cpu,
     use_cpu_workarounds,
@@ -54,7 +54,7 @@ def server_command(target: str, spec: dict | None, port: int, extra_args: list[s
     if on_cpu():
         cmd += ["--gpu-memory-utilization", str(CPU_MEMORY_FRACTION)]
         if "--max-model-len" not in extra_args:
-            cmd += ["--max-model-len", str(CPU_MAX_MODEL_LEN)]
+            cmd += ["--max-model-len", str(cpu_max_model_len(target))]
     if "--dtype" not in extra_args:
         cmd += ["--dtype", default_dtype()]
     if spec is not None:

@@ -37,19 +37,26 @@ def end_tokens(model, tokenizer) -> set[int]:
     return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
-@torch.inference_mode()
 def greedy_replies(
     model, tokenizer, chats: list[Conversation], max_tokens: int, *, token_budget: int = 65536
 ) -> list[str]:
     """The target's greedy reply to each chat (the chat template's generation prompt appended)."""
     prompts = [template_ids(tokenizer, chat, generation_prompt=True) for chat in chats]
+    return greedy_answers(model, tokenizer, prompts, max_tokens, token_budget=token_budget)
+
+
+@torch.inference_mode()
+def greedy_answers(
+    model, tokenizer, prompts: list[list[int]], max_tokens: int, *, token_budget: int = 65536
+) -> list[str]:
+    """The target's greedy answer to each prompt of token ids."""
     stops = end_tokens(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     device = next(model.parameters()).device
     # greedy and nothing else, as vLLM's explicit SamplingParams(temperature=0): no processor
     # (repetition penalty...) from the checkpoint's generation_config.json
     plain = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(stops), pad_token_id=pad)
-    replies = [""] * len(chats)
+    replies = [""] * len(prompts)
     for batch in tqdm(length_batches([len(p) for p in prompts], max_tokens, token_budget),
                       desc="answering", unit="batch"):
         width = len(prompts[batch[0]])

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_edsd.checkpoint.config import LAYER_INPUT
+from vllm_edsd.checkpoint.config import LAYER_INPUT, sequence_length
 from vllm_edsd.checkpoint.files import replace_file
 from vllm_edsd.data import load_conversations, load_sharegpt, render_many
 from vllm_edsd.errors import EDSDError
@@ -18,6 +18,7 @@ from vllm_edsd.target import selection
 from vllm_edsd.target.hidden_states import decoder_of, fingerprint, load_target, run_target
 
 TOKENS_FOR_ENTROPY = 4096
+DEFAULT_MAX_LENGTH = 512
 STATISTICS_BUDGET = 2 * 2**30  # bytes of layer statistics held at once (Llama-3.1-8B: 6 layers per pass)
 
 EPILOG = """\
@@ -40,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="JSON file for the per-layer scores and the chosen ids")
     parser.add_argument("--data", help="calibration conversations (default: ShareGPT)")
     parser.add_argument("--samples", type=int, default=128, help="calibration samples (default 128, the paper's)")
-    parser.add_argument("--max-length", type=int, default=512, help="tokens per sample (default 512)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help=f"tokens per sample (default {DEFAULT_MAX_LENGTH}, or the target's context where it "
+                             "holds fewer)")
     parser.add_argument("--plot", help="PNG of the per-layer profiles (like the paper's Fig. 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.samples < 2:
         raise EDSDError("--samples must be at least 2 (LiDAR needs several classes)")
+    args.max_length = sequence_length(args.target, args.max_length, DEFAULT_MAX_LENGTH, "--max-length")
     model = load_target(args.target, device=args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     conversations = load_conversations(args.data) if args.data else load_sharegpt(args.samples * 2, args.seed)

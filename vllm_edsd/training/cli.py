@@ -29,11 +29,14 @@ from vllm_edsd.checkpoint.config import (
     TOKEN_NORMS,
     EDSDConfig,
     TargetFingerprint,
+    context_length,
     decoder_layers,
     read_config_json,
+    sequence_length,
+    text_config,
 )
 from vllm_edsd.checkpoint.files import checkpoint_fingerprint, replace_file
-from vllm_edsd.data import load_conversations, load_sharegpt
+from vllm_edsd.data import load_conversations, load_sharegpt, template_ids
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.model.eagle3 import Eagle3DraftModel
 from vllm_edsd.model.edsd import EDSDDraftModel
@@ -125,7 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that decide the training samples and how their features are computed,
     shared by ``edsd train`` and ``edsd features`` (same options: same cached shards)."""
-    parser.add_argument("--max-length", type=int, default=2048, help="tokens per sample (default 2048)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help=f"tokens per sample, longer ones cut (default {DEFAULT_MAX_LENGTH}, or the target's "
+                             "context less one where it holds fewer: vLLM's extraction generates one token more)")
     parser.add_argument("--max-samples", type=int, default=None, help="conversations to use (default all)")
     parser.add_argument("--data", help="JSON/JSONL conversations instead of ShareGPT")
     parser.add_argument("--regenerate", action="store_true", help="regenerate assistant turns with the target (vLLM)")
@@ -230,6 +235,24 @@ def check_numbers(args: argparse.Namespace, vocab: int) -> None:
                         f"got {args.feature_noise}")
 
 
+DEFAULT_MAX_LENGTH = 2048
+
+
+def resolve_max_length(args: argparse.Namespace) -> str:
+    """Set ``--max-length`` from the target where it was left out (``sequence_length``), and
+    say what set it, for the line that counts the samples cut to it."""
+    given = args.max_length is not None
+    args.max_length = sequence_length(args.target, args.max_length, DEFAULT_MAX_LENGTH, "--max-length", reserve=1)
+    context = context_length(args.target)
+    if given or context is None or args.max_length < context - 1:
+        return f"--max-length {args.max_length}"
+    return f"the target's context, {context} tokens, less one"
+
+
+def cut_line(cut: int, total: int, length: int, why: str) -> str:
+    return f"cut {cut} of {total} samples to their first {length} tokens ({why})"
+
+
 REGENERATE_CHUNK = 256  # conversations per cached file: an interrupted regeneration loses at most one
 GENERATION_BACKENDS = ("auto", "vllm", "transformers")
 # chunks answered together: transformers batches only what it is given, vLLM batches continuously
@@ -247,7 +270,8 @@ def regenerate(
     chunks not yet written, and a run with other inputs never reuses stale answers. The backend
     and ``engine_args`` (vLLM's ``LLM(...)``: tensor parallelism...) change how, not what, is
     computed (greedy answers differ only at near-ties of the two numerics). A target without a
-    chat template is refused before any work (``require_chat_template``)."""
+    chat template is refused before any work (``require_chat_template``); a turn whose prompt
+    does not fit the target's context ends its conversation there, counted in one line."""
     chunks = [conversations[i : i + REGENERATE_CHUNK] for i in range(0, len(conversations), REGENERATE_CHUNK)]
     paths = regenerated_paths(target, chunks, cache_dir, max_tokens)
     missing = [i for i, path in enumerate(paths) if not path.exists()]
@@ -255,16 +279,21 @@ def regenerate(
         backend = generation_backend(backend, engine_args)
         require_chat_template(target)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        per_call = CHUNKS_PER_CALL[backend]
-        with replier(backend, target, max_tokens, engine_args, device) as reply:
+        per_call, stopped = CHUNKS_PER_CALL[backend], 0
+        with replier(backend, target, max_tokens, engine_args, device) as (reply, window):
             for start in range(0, len(missing), per_call):
                 group = missing[start : start + per_call]
                 print(f"regenerating chunks {start + 1}-{start + len(group)} of {len(missing)} "
                       f"({sum(len(chunks[i]) for i in group)} conversations)")
-                answered = iter(answer_turns(reply, [c for i in group for c in chunks[i]]))
+                answered, ended = answer_turns(reply, [c for i in group for c in chunks[i]])
+                answers, stopped = iter(answered), stopped + ended
                 for i in group:
-                    mine = [c for c in (next(answered) for _ in chunks[i]) if len(c) > 1]
+                    mine = [c for c in (next(answers) for _ in chunks[i]) if any(m["role"] == "assistant" for m in c)]
                     replace_file(paths[i], lambda tmp: tmp.write_text("".join(json.dumps(c) + "\n" for c in mine)))  # noqa: B023
+        if stopped:
+            print(f"regeneration: {stopped} conversation{'s' * (stopped != 1)} end{'s' * (stopped == 1)} before a "
+                  f"turn whose prompt leaves no room for an answer in the target's {window} tokens; those left "
+                  "without any answer are dropped")
     return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
 
 
@@ -317,11 +346,21 @@ def generation_backend(backend: str, engine_args: dict | None = None) -> str:
     return backend
 
 
+Reply = Callable[[list], list[str | None]]
+
+
 @contextmanager
 def replier(
     backend: str, target: str, max_tokens: int, engine_args: dict | None, device: str | None
-) -> Iterator[Callable[[list], list[str]]]:
-    """A function from chats to the target's greedy replies, through ``backend``."""
+) -> Iterator[tuple[Reply, int | None]]:
+    """A function from chats to the target's greedy replies, through ``backend``, and the
+    tokens a sequence may hold there (vLLM's engine: its ``max_model_len``; transformers: the
+    target's context). A chat whose prompt leaves no room for an answer gets None: vLLM would
+    refuse the whole batch for it. Both backends answer the prompts the chat template renders
+    here (``template_ids``), so the length checked is the length run."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
     if backend == "vllm":
         from vllm import SamplingParams
 
@@ -330,35 +369,53 @@ def replier(
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         use_every_cpu_core()
         with llm_session(target, **(engine_args or {})) as llm:
-            yield lambda chats: [reply.outputs[0].text for reply in llm.chat(chats, params, use_tqdm=True)]
+            window = llm.llm_engine.model_config.max_model_len
+            run = lambda prompts: [reply.outputs[0].text for reply in llm.generate(  # noqa: E731
+                [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=True)]
+            yield fitting(run, tokenizer, window), window
         return
-    from transformers import AutoTokenizer
-
-    from vllm_edsd.target.generation import greedy_replies
+    from vllm_edsd.target.generation import greedy_answers
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_target(target, dtype=getattr(torch, device_dtype(device)), device=device)
-    tokenizer = AutoTokenizer.from_pretrained(target)
     budget = TOKEN_BUDGET["cpu" if device == "cpu" else "accelerator"]
-    yield lambda chats: greedy_replies(model, tokenizer, chats, max_tokens, token_budget=budget)
+    window = context_length(target)
+    yield fitting(lambda prompts: greedy_answers(model, tokenizer, prompts, max_tokens, token_budget=budget),
+                  tokenizer, window), window
+
+
+def fitting(run: Callable[[list[list[int]]], list[str]], tokenizer, window: int | None) -> Reply:
+    """``run``'s replies to the chats whose prompt, rendered by the chat template, is shorter
+    than ``window`` tokens; None for the others."""
+    def reply(chats: list) -> list[str | None]:
+        prompts = [template_ids(tokenizer, chat, generation_prompt=True) for chat in chats]
+        fits = [window is None or len(ids) < window for ids in prompts]
+        answers = iter(run([ids for ids, ok in zip(prompts, fits) if ok]) if any(fits) else [])
+        return [next(answers) if ok else None for ok in fits]
+
+    return reply
 
 
 # prompt + answer tokens per transformers batch (left-padded): bounds the KV cache
 TOKEN_BUDGET = {"cpu": 1 << 14, "accelerator": 1 << 19}
 
 
-def answer_turns(reply: Callable[[list], list[str]], conversations: list) -> list:
+def answer_turns(reply: Reply, conversations: list) -> tuple[list, int]:
     """The conversations with each assistant turn ``reply``'s answer to the turns before it
-    (batched per turn), in order; a conversation without a user turn stays without answers."""
+    (batched per turn), in order, and how many ended early: a turn ``reply`` cannot answer
+    (its prompt does not fit the target) ends its conversation before it. A conversation
+    without a user turn stays without answers."""
     out = [[m for m in conv[:1] if m["role"] == "system"] for conv in conversations]
     users = [[m for m in conv if m["role"] == "user"] for conv in conversations]
+    ended: set[int] = set()
     for turn in range(max(len(u) for u in users)):
-        active = [i for i, u in enumerate(users) if turn < len(u)]
-        for i in active:
-            out[i].append(users[i][turn])
-        for i, text in zip(active, reply([out[i] for i in active])):
-            out[i].append({"role": "assistant", "content": text})
-    return out
+        active = [i for i, u in enumerate(users) if turn < len(u) and i not in ended]
+        for i, text in zip(active, reply([[*out[i], users[i][turn]] for i in active])):
+            if text is None:
+                ended.add(i)
+            else:
+                out[i] += [users[i][turn], {"role": "assistant", "content": text}]
+    return out, len(ended)
 
 
 def build_model(args, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t, t2d):
@@ -389,10 +446,11 @@ def read_conversations(args: argparse.Namespace) -> list:
 
 def training_samples(
     args: argparse.Namespace, cache: Path, world: World = SINGLE
-) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+) -> tuple[list[tuple[list[int], list[int]]], int, int, int]:
     """The rendered samples of ``--data`` or ShareGPT (regenerated first with ``--regenerate``,
-    by rank 0: the others read what it cached), with how many conversations were read and how
-    many the chat template could not render."""
+    by rank 0: the others read what it cached), cut to ``--max-length`` tokens, with how many
+    conversations were read, how many the chat template could not render and how many samples
+    were cut."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
@@ -403,11 +461,11 @@ def training_samples(
             regenerate(*answer, device=args.device)
         world.barrier()
         conversations = regenerate(*answer, device=args.device)
-    samples, skipped = tokenize_conversations(tokenizer, conversations, args.max_length)
+    samples, skipped, cut = tokenize_conversations(tokenizer, conversations, args.max_length)
     if not samples:
         raise EDSDError("no usable training samples (every conversation lacks assistant tokens"
                         + (f", or the chat template cannot render it: {skipped} skipped)" if skipped else ")"))
-    return samples, len(conversations), skipped
+    return samples, len(conversations), skipped, cut
 
 
 def device_dtype(device: str) -> str:
@@ -454,17 +512,19 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
     deterministic)."""
     out, device = Path(args.out), device or args.device
     cfg_raw = read_config_json(args.target)
-    target = TargetFingerprint.from_hf_config(cfg_raw.get("text_config") or cfg_raw, f"{args.target}/config.json")
+    source = f"{args.target}/config.json"
+    target = TargetFingerprint.from_hf_config(text_config(cfg_raw, source), source)
     target_layers = decoder_layers(args.target)
     layers = resolve_layers(args, target_layers)
     feature_layers = resolve_feature_layers(args.feature_layers, layers, target_layers)
     check_numbers(args, target.vocab_size)
+    length_set_by = resolve_max_length(args)
     from transformers.utils import logging
 
     if not world.main:  # progress bars on rank 0 only
         logging.disable_progress_bar()
     cache = Path(args.cache) if args.cache else out / "cache"
-    samples, read, skipped = training_samples(args, cache, world)
+    samples, read, skipped, cut = training_samples(args, cache, world)
     counts = answer_token_counts(samples)
     vocab = target.vocab_size
     d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
@@ -484,6 +544,8 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
         if skipped:
             print(f"skipped {skipped} of {read} conversations: the chat template does not render "
                   "their answers after their own prompts")
+        if cut:
+            print(cut_line(cut, len(samples), args.max_length, length_set_by))
         print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
               f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
               + (f", {world.size} data-parallel processes ({world.data_parallel})" if world.size > 1 else ""))

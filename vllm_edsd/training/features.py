@@ -52,11 +52,14 @@ PAD = {"input_ids": 0, "loss_mask": False, "aux": 0, "final": 0, "target_argmax"
 
 def tokenize_conversations(
     tokenizer, conversations: list[Conversation], max_length: int
-) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """Rendered samples that contain at least two tokens to learn, and how many conversations
-    the chat template could not render."""
-    samples, skipped = render_many(tokenizer, conversations, max_length)
-    return [(ids, mask) for ids, mask in samples if sum(mask[2:]) >= 2], skipped
+) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+    """Rendered samples, cut to their first ``max_length`` tokens, that contain at least two
+    tokens to learn; how many conversations the chat template could not render; and how many
+    of the samples kept were cut."""
+    rendered, skipped = render_many(tokenizer, conversations)
+    learnable = [(ids, mask) for ids, mask in rendered if sum(mask[2:max_length]) >= 2]
+    cut = sum(len(ids) > max_length for ids, _ in learnable)
+    return [(ids[:max_length], mask[:max_length]) for ids, mask in learnable], skipped, cut
 
 
 @dataclass(frozen=True)

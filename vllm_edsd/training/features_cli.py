@@ -14,7 +14,14 @@ from pathlib import Path
 
 from vllm_edsd.checkpoint.config import decoder_layers
 
-from .cli import add_data_arguments, feature_shards, resolve_feature_layers, training_samples
+from .cli import (
+    add_data_arguments,
+    cut_line,
+    feature_shards,
+    resolve_feature_layers,
+    resolve_max_length,
+    training_samples,
+)
 from .features import manifest_path
 
 EPILOG = """\
@@ -42,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     layers = resolve_feature_layers(args.feature_layers, (), decoder_layers(args.target))
     cache = Path(args.cache)
-    samples, read, skipped = training_samples(args, cache)
+    length_set_by = resolve_max_length(args)
+    samples, read, skipped, cut = training_samples(args, cache)
+    if cut:
+        print(cut_line(cut, len(samples), args.max_length, length_set_by))
     shards = feature_shards(args, samples, layers, cache)
     positions = sum(len(ids) for ids, _ in samples)
     stored = sum(path.stat().st_size for path in shards)
