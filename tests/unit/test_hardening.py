@@ -374,7 +374,9 @@ def test_adaptive_attach_is_idempotent(models):
         return "drafts"
 
     proposer = SimpleNamespace(model=model, propose=propose, _sample_draft_tokens=lambda h, m: (h, None),
-                               vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1)))
+                               vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1),
+                                                           speculative_config=SimpleNamespace(prompt_lookup_min=0,
+                                                                                              prompt_lookup_max=0)))
     attach(proposer)
     hook = proposer.propose
     attach(proposer)
