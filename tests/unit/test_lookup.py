@@ -90,8 +90,10 @@ def test_the_keys_are_taken_out_of_the_config(fields, expected):
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"prompt_lookup_min": 0, "prompt_lookup_max": 4}, "'prompt_lookup_min' is an n-gram length .* got 0"),
-    ({"prompt_lookup_min": 2, "prompt_lookup_max": -1}, "'prompt_lookup_max' is an n-gram length .* got -1"),
+    ({"prompt_lookup_min": 0, "prompt_lookup_max": 4},
+     "'prompt_lookup_min' \\(an n-gram length .* must be a positive integer, got 0"),
+    ({"prompt_lookup_min": 2, "prompt_lookup_max": -1},
+     "'prompt_lookup_max' \\(an n-gram length .* must be a positive integer, got -1"),
     ({"prompt_lookup_min": True, "prompt_lookup_max": 4}, "'prompt_lookup_min' .* got True"),
     ({"prompt_lookup_min": 2.0, "prompt_lookup_max": 4}, "'prompt_lookup_min' .* got 2.0"),
     ({"prompt_lookup_max": "3"}, "'prompt_lookup_max' .* got '3'"),

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_edsd.errors import EDSDError, is_int
+from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.serving.draft_length import limiter_of
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
@@ -46,9 +46,7 @@ LOG_INTERVAL_S = 10.0
 
 
 def _check_length(key: str, value: Any) -> None:
-    if not is_int(value) or value < 1:
-        raise EDSDError(f"speculative config: {key!r} is an n-gram length for the prompt lookup: "
-                        f"a positive integer, got {value!r:.80}")
+    positive_int(value, f"speculative config: {key!r} (an n-gram length of the prompt lookup)")
 
 
 @dataclass(frozen=True)
