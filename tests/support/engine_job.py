@@ -16,6 +16,7 @@ Usage: python engine_job.py JOB.json OUT.json
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -113,6 +114,11 @@ def main(job_path: str, out_path: str) -> None:
     from vllm_edsd.launch.engine import make_llm, spec_counters
 
     job = json.loads(open(job_path).read())
+    # The engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a second process
+    # imports vLLM and the plugin again, about 15 s of every start on a 2-core CPU, and this
+    # process is the engine's alone anyway. Servers, the bench and the demo keep vLLM's default,
+    # the engine core in a process of its own.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     start = time.time()
     llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
     result = {"startup_s": time.time() - start, "phases": {}}

@@ -39,7 +39,7 @@ from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.model.edsd import check_tensors
-from vllm_edsd.serving import cpu_sampling, draft_length, lookup, preflight
+from vllm_edsd.serving import cpu_onednn, cpu_sampling, draft_length, lookup, preflight
 from vllm_edsd.serving.patching import (
     CONFIG,
     ENVIRONMENT,
@@ -387,6 +387,7 @@ PATCHES: tuple[Patch, ...] = (
           cpu_sampling.after_kernel_overrides, when="on vLLM's CPU platform, where the CPU runner installs them",
           only_if=lambda: on_cpu() and not cpu_sampling.platform_registers_kernels(), versions="0.24–0.30"),
     cpu_sampling.EXPAND_BATCH_TO_TOKENS,
+    cpu_onednn.HANDLE_RELEASE,
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, "propose",
                   "return each request's draft cut to its length (its cap, the adaptive rule)",
                   where=(f"{_LIMITER}.__init__",), when=_HOOKED),

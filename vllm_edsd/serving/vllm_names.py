@@ -113,6 +113,7 @@ PATCHED: tuple[VllmName, ...] = (
              applies_if="!" + _CPU_KERNELS),
     VllmName("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", "serving/cpu_sampling.py",
              "x, cu_num_tokens, num_tokens, replace_from, replace_to"),
+    VllmName("vllm._custom_ops:CPUDNNLGEMMHandler", "__del__", "serving/cpu_onednn.py", "self"),
     # instance hooks: the hook passes propose's arguments on, and vLLM's loop calls the sampling
     # hook as it calls its own method; the limiter's attribute must be no name of vLLM's
     VllmName(_PROPOSER, "propose", _LIMITER, "self, ...", used_as=(_EAGLE_PROPOSER,)),
@@ -185,6 +186,7 @@ READ: tuple[VllmName, ...] = (
          ("register_model", "self, model_arch, model_cls")),
     *_of("vllm", _PLUGIN, "ModelRegistry"),
     *_of("vllm.exceptions:VLLMValidationError", _PLUGIN, ("", "self, message, ..., parameter, value")),
+    *_of("vllm._custom_ops:CPUDNNLGEMMHandler", "serving/cpu_onednn.py", "handler_tensor"),
     *_of("vllm.entrypoints.openai.api_server", "launch/server.py", ""),
     *_of("vllm.entrypoints.cli.main", _PLUGIN, ""),
     # engine configuration the plugin sets or checks

