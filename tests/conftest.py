@@ -157,8 +157,9 @@ def reference_chains(target_dir: str, source: str, specforge: bool = False, k: i
     import torch
     from safetensors.torch import load_file
 
+    from vllm_edsd.features.hidden_states import run_target
+    from vllm_edsd.launch.transformers_target import load_target
     from vllm_edsd.model.edsd import EDSDDraftModel
-    from vllm_edsd.target.hidden_states import load_target, run_target
 
     target = load_target(target_dir)
     drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
@@ -254,8 +255,8 @@ def predicted_counters(trained: dict, outputs: list[list[int]], k: int, max_entr
     """What the reference model, loaded from the unfolded conversion of the trained drafter,
     predicts for these greedy outputs of ``trained["prompts"]`` (with ``max_entropy``: under
     the adaptive draft length; with ``caps``: each request's draft-length cap)."""
+    from vllm_edsd.launch.transformers_target import load_target
     from vllm_edsd.model.edsd import EDSDDraftModel
-    from vllm_edsd.target.hidden_states import load_target
     from vllm_edsd.training.acceptance import predict
 
     target = load_target(trained["target"])
@@ -281,7 +282,7 @@ def most_frequent_greedy_token(target_dir: Path, limit: int) -> int:
 
     import torch
 
-    from vllm_edsd.target.hidden_states import load_target
+    from vllm_edsd.launch.transformers_target import load_target
 
     model = load_target(target_dir)
     counts: Counter = Counter()

@@ -18,9 +18,9 @@ from vllm_edsd.command import add_parser, invoke
 # name -> the module that implements it; the module's own `name` and `help` are what users see.
 COMMANDS = {
     "convert": "vllm_edsd.conversion.cli",
-    "select": "vllm_edsd.target.select_cli",
-    "regenerate": "vllm_edsd.training.regenerate_cli",
-    "features": "vllm_edsd.training.features_cli",
+    "select": "vllm_edsd.selection.cli",
+    "regenerate": "vllm_edsd.regeneration.cli",
+    "features": "vllm_edsd.features.cli",
     "train": "vllm_edsd.training.cli",
     "pipeline": "vllm_edsd.pipeline",
     "demo": "vllm_edsd.demo",

@@ -5,6 +5,7 @@ template into token ids and an assistant-only loss mask. Nothing is downloaded.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import random
@@ -116,6 +117,11 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
     if not out:
         raise EDSDError(f"{path}: no conversations")
     return out
+
+
+def read_conversations(args: argparse.Namespace) -> list:
+    """``--data``'s conversations, or ShareGPT's in ``--seed``'s order; ``--max-samples`` of them."""
+    return load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
 
 
 def load_humaneval() -> list[dict]:

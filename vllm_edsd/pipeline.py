@@ -36,7 +36,7 @@ from typing import Any
 
 from vllm_edsd.checkpoint.files import finished_checkpoint, replace_file
 from vllm_edsd.errors import EDSDError, is_int, positive_int
-from vllm_edsd.training.features import BACKENDS  # what runs the target for its features
+from vllm_edsd.features.shards import BACKENDS  # what runs the target for its features
 
 EXAMPLE = """\
 # edsd pipeline smollm2.toml            (relative paths are relative to this file)
@@ -100,7 +100,7 @@ POSITIVE = (("data", "answer_tokens"), ("layers", "select_max_length"), ("train"
 METHODS = ("edsd", "eagle3")
 DTYPES = ("float16", "bfloat16", "float32")
 # The `edsd` subcommands the stages run, each through its own module.
-COMMANDS = {"select": "vllm_edsd.target.select_cli", "features": "vllm_edsd.training.features_cli",
+COMMANDS = {"select": "vllm_edsd.selection.cli", "features": "vllm_edsd.features.cli",
             "train": "vllm_edsd.training.cli", "convert": "vllm_edsd.conversion.cli"}
 PROMPT_CHARS = 600  # ShareGPT prompts are cut: training cost grows with every token of context
 CODE_REQUEST = re.compile(r"\b(python|javascript|typescript|java|c\+\+|rust|golang|sql|function|code|script|"
@@ -260,7 +260,7 @@ def feature_layers(cfg: Config, layers_json: Path) -> list[int]:
     """Every method's layers (EDSD's from EDSelect or the config, EAGLE-3's from the config or
     vLLM's default): the features all drafters train on, extracted once."""
     from vllm_edsd.checkpoint.config import decoder_layers
-    from vllm_edsd.training.cli import eagle3_default_layers
+    from vllm_edsd.training.drafter import eagle3_default_layers
 
     ids: set[int] = set()
     if "edsd" in cfg["train"]["methods"]:
@@ -343,7 +343,7 @@ class Plan:
 
     def regenerate(self) -> None:
         from vllm_edsd.data import load_conversations
-        from vllm_edsd.training.cli import regenerate
+        from vllm_edsd.regeneration.answers import regenerate
 
         data = self.cfg["data"]
         limit = self.train["max_samples"] if data["file"] else None

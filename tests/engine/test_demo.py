@@ -14,7 +14,8 @@ from conftest import greedy_phase
 from vllm_edsd.checkpoint.config import TargetFingerprint
 from vllm_edsd.checkpoint.files import tensor_shapes
 from vllm_edsd.demo import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, check_prompt_ids
-from vllm_edsd.target.hidden_states import fingerprint, load_target
+from vllm_edsd.features.hidden_states import fingerprint
+from vllm_edsd.launch.transformers_target import load_target
 
 SHIPPED_BUDGET_BYTES = 50 * 10**6  # both drafters together, fp16
 

@@ -19,7 +19,7 @@ from support.toy import make_target, toy_corpus
 
 from vllm_edsd.cli import build_parser, main
 from vllm_edsd.launch.server import free_port
-from vllm_edsd.training.cli import prepare
+from vllm_edsd.training.job import prepare
 from vllm_edsd.training.trainer import Fitter, count_batches, epoch_batches
 
 RANKS = 2

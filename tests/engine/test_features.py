@@ -14,7 +14,7 @@ import torch
 
 from vllm_edsd.demo import ASSETS, DEMO_PROMPTS
 from vllm_edsd.demo.target import demo_target
-from vllm_edsd.training.features import read_shard
+from vllm_edsd.features.shards import read_shard
 
 # Both paths run the target in float32 and store bfloat16: the float32 states differ by ~2e-6
 # relative (measured), so a stored value may round to the neighbouring bfloat16 (2^-8 relative).

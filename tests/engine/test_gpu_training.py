@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from support.toy import toy_corpus
 
-from vllm_edsd.training.features import read_shard
+from vllm_edsd.features.shards import read_shard
 
 pytestmark = pytest.mark.gpu
 

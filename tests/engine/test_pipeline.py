@@ -64,16 +64,16 @@ def test_regeneration_cache_is_keyed_by_its_inputs(trained, tmp_path, monkeypatc
     """The same conversations reuse the cache; more of them (a larger --max-samples, or a run
     interrupted after its first chunk) regenerate only the chunks not yet written; other
     conversations never reuse stale answers."""
-    from vllm_edsd.training import cli
+    from vllm_edsd.regeneration import answers
 
-    monkeypatch.setattr(cli, "REGENERATE_CHUNK", 2)
+    monkeypatch.setattr(answers, "REGENERATE_CHUNK", 2)
     lines = [l for l in toy_corpus().splitlines() if l.strip()][32:37]
     convs = [[{"role": "user", "content": l}] for l in lines]
-    first = cli.regenerate(trained["target"], convs[:2], tmp_path, 8)
+    first = answers.regenerate(trained["target"], convs[:2], tmp_path, 8)
     assert [c[0]["content"] for c in first] == lines[:2]
     (chunk,) = tmp_path.glob("regenerated-*.jsonl")
     written = chunk.stat().st_mtime_ns
-    assert cli.regenerate(trained["target"], convs[:2], tmp_path, 8) == first
-    every = cli.regenerate(trained["target"], convs, tmp_path, 8)
+    assert answers.regenerate(trained["target"], convs[:2], tmp_path, 8) == first
+    every = answers.regenerate(trained["target"], convs, tmp_path, 8)
     assert every[:2] == first and [c[0]["content"] for c in every] == lines
     assert chunk.stat().st_mtime_ns == written and len(list(tmp_path.glob("regenerated-*.jsonl"))) == 3

@@ -45,7 +45,7 @@ def test_edsd_training_learns_and_reloads(models, chat_data, tmp_path):
     for epoch in ("epoch_0", "epoch_2", "final"):
         cfg = json.loads((tmp_path / "edsd" / epoch / "config.json").read_text())
         assert cfg["architectures"] == ["LlamaForCausalLMEDSD"] and cfg["edsd_config"]["aux_layer_ids"] == [1, 3]
-    from vllm_edsd.target.hidden_states import load_target
+    from vllm_edsd.launch.transformers_target import load_target
 
     embed = load_target(models["llama"]).model.embed_tokens.weight
     EDSDDraftModel.from_pretrained(tmp_path / "edsd" / "final", embed_tokens=embed)

@@ -17,8 +17,9 @@ from vllm_edsd.checkpoint.config import LAYERNORM, TOKEN_NORMS, EDSDConfig, deco
 from vllm_edsd.checkpoint.layouts import EDSD_TRAINING, read_drafter_config
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.features.hidden_states import run_target
+from vllm_edsd.launch.transformers_target import load_target
 from vllm_edsd.model.edsd import EDSDDraftModel
-from vllm_edsd.target.hidden_states import load_target, run_target
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The feature cache on disk (``training/features.py``, docs/scale.md "Feature shards"): each
+"""The feature cache on disk (``features/shards.py``, docs/scale.md "Feature shards"): each
 shard one safetensors file whose header says what it was computed from, a manifest per run,
 shards that disagree with the run refused in one line, and memory bounded by one shard."""
 
@@ -19,9 +19,10 @@ from support.toy import toy_corpus
 
 from vllm_edsd.checkpoint.files import checkpoint_fingerprint
 from vllm_edsd.cli import main
-from vllm_edsd.target.hidden_states import TransformersFeatures, load_target
-from vllm_edsd.training import features
-from vllm_edsd.training.features import FeatureSpec, aux_columns, extract_features, iterate_batches, manifest_path
+from vllm_edsd.features import shards as shard_files
+from vllm_edsd.features.hidden_states import TransformersFeatures
+from vllm_edsd.features.shards import FeatureSpec, aux_columns, extract_features, iterate_batches, manifest_path
+from vllm_edsd.launch.transformers_target import load_target
 
 HIDDEN = 256  # the toy Llama's hidden size
 
@@ -44,7 +45,7 @@ def toy_samples(count: int) -> list[tuple[list[int], list[int]]]:
 def test_shards_read_back_the_features_computed(models, monkeypatch, tmp_path):
     """Every sample read through ``iterate_batches`` holds exactly what ``TransformersFeatures``
     computes for it, stored for the union of two methods' layers and picked by ``columns``."""
-    monkeypatch.setattr(features, "SHARD_SIZE", 3)
+    monkeypatch.setattr(shard_files, "SHARD_SIZE", 3)
     model, samples = load_target(models["llama"]), toy_samples(7)
     spec = FeatureSpec.of(models["llama"], (1, 2, 3), "float32", "transformers")
     shards = extract_features(TransformersFeatures(model, (1, 2, 3), batch_size=1), samples, tmp_path, spec)
@@ -70,14 +71,14 @@ def test_the_manifest_lists_every_shard_and_the_targets_fingerprint(models, monk
     computed from; a prefix of the samples (a learning curve) gets its own manifest. The
     fingerprint survives a copy of the target and changes with its weights, and features of
     the changed target are extracted anew, not taken from the old one's shards."""
-    monkeypatch.setattr(features, "SHARD_SIZE", 2)
+    monkeypatch.setattr(shard_files, "SHARD_SIZE", 2)
     samples, cache = toy_samples(5), tmp_path / "cache"
     source = TransformersFeatures(load_target(models["llama"]), (1, 3))
     spec = FeatureSpec.of(models["llama"], (1, 3), "float32", "transformers")
     shards = extract_features(source, samples, cache, spec)
     manifest = json.loads(manifest_path(cache, shards).read_text())
     assert {key: manifest[key] for key in ("format", "layers", "dtype", "backend", "target_fingerprint")} == {
-        "format": features.CACHE_FORMAT, "layers": [1, 3], "dtype": "float32", "backend": "transformers",
+        "format": shard_files.CACHE_FORMAT, "layers": [1, 3], "dtype": "float32", "backend": "transformers",
         "target_fingerprint": checkpoint_fingerprint(models["llama"])}
     chunks = (samples[0:2], samples[2:4], samples[4:])
     assert manifest["shards"] == [{"file": path.name, "samples": len(chunk),
@@ -95,7 +96,7 @@ def test_the_manifest_lists_every_shard_and_the_targets_fingerprint(models, monk
     assert checkpoint_fingerprint(copy) != checkpoint_fingerprint(models["llama"])
     assert FeatureSpec.of(copy, (1, 3), "float32", "transformers").fingerprint == checkpoint_fingerprint(copy)
     moved = replace(spec, fingerprint=checkpoint_fingerprint(copy))  # the same path, new weights
-    assert not set(features.shard_paths(cache, moved, samples)) & set(shards)
+    assert not set(shard_files.shard_paths(cache, moved, samples)) & set(shards)
 
 
 def edsd(command: str, target: str, cache: Path, data: Path, layers: str, *extra: str) -> int:
@@ -146,7 +147,7 @@ PEAK_GROWTH = """\
 import re, sys
 from pathlib import Path
 import torch
-from vllm_edsd.training.features import iterate_batches
+from vllm_edsd.features.shards import iterate_batches
 def peak():
     return int(re.search(r"VmHWM:\\s*(\\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
 shards, before = sorted(Path(sys.argv[1]).glob("shard-*.safetensors")), peak()
@@ -165,7 +166,7 @@ def test_reading_the_cache_holds_one_shard_at_a_time(tmp_path):
               "final": torch.ones(length, 1024, dtype=torch.bfloat16),
               "target_argmax": torch.zeros(length, dtype=torch.int32), "target_entropy": torch.zeros(length)}
     for n in range(count):
-        features.write_shard(tmp_path / f"shard-{n}.safetensors", [record] * samples, spec)
+        shard_files.write_shard(tmp_path / f"shard-{n}.safetensors", [record] * samples, spec)
     shard_bytes = (tmp_path / "shard-0.safetensors").stat().st_size
     done = subprocess.run([sys.executable, "-c", PEAK_GROWTH, str(tmp_path)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).parents[2])

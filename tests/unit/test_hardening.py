@@ -331,8 +331,9 @@ def test_convert_records_relative_provenance(training_ckpt, tmp_path):
 def test_a_fixed_temporary_name_held_by_another_run_does_not_collide(models, tmp_path):
     """Feature shards were written to ``shard_NNNNN.tmp``: a concurrent run holding that name
     broke (or was broken by) this one."""
-    from vllm_edsd.target.hidden_states import TransformersFeatures, load_target
-    from vllm_edsd.training.features import FeatureSpec, extract_features, shard_path
+    from vllm_edsd.features.hidden_states import TransformersFeatures
+    from vllm_edsd.features.shards import FeatureSpec, extract_features, shard_path
+    from vllm_edsd.launch.transformers_target import load_target
 
     samples, spec = [([1, 5, 6, 7], [0, 1, 1, 1])], FeatureSpec.of(models["llama"], (1, 3), "float32", "transformers")
     shard = shard_path(tmp_path, spec, samples)

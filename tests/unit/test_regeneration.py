@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.support.toy import make_target, toy_corpus
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.target.generation import greedy_replies, length_batches
-from vllm_edsd.training import cli
+from vllm_edsd.regeneration import answers
+from vllm_edsd.regeneration.greedy import greedy_replies, length_batches
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def target(tmp_path_factory) -> str:
 def model_and_tokenizer(target):
     from transformers import AutoTokenizer
 
-    from vllm_edsd.target.hidden_states import load_target
+    from vllm_edsd.launch.transformers_target import load_target
 
     return load_target(target), AutoTokenizer.from_pretrained(target)
 
@@ -69,15 +69,15 @@ def test_batched_answers_equal_each_prompt_answered_alone(model_and_tokenizer):
 
 
 def test_regeneration_through_transformers_is_cached_and_resumed(target, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "REGENERATE_CHUNK", 2)
-    monkeypatch.setitem(cli.CHUNKS_PER_CALL, "transformers", 2)
+    monkeypatch.setattr(answers, "REGENERATE_CHUNK", 2)
+    monkeypatch.setitem(answers.CHUNKS_PER_CALL, "transformers", 2)
     convs = chats(5, offset=10)
     convs[1] = [{"role": "system", "content": "be brief"}, *convs[1], {"role": "assistant", "content": "old"},
                 {"role": "user", "content": "and then?"}]
-    first = cli.regenerate(target, convs[:3], tmp_path, 6, backend="transformers", device="cpu")
+    first = answers.regenerate(target, convs[:3], tmp_path, 6, backend="transformers", device="cpu")
     written = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("regenerated-*.jsonl")}
     assert len(written) == 2
-    every = cli.regenerate(target, convs, tmp_path, 6, backend="transformers", device="cpu")
+    every = answers.regenerate(target, convs, tmp_path, 6, backend="transformers", device="cpu")
     assert every[:3] == first and len(every) == 5
     assert all(written[name] == (tmp_path / name).stat().st_mtime_ns for name in written)
     # the second conversation keeps its system turn, and each user turn gets the target's reply
@@ -95,23 +95,23 @@ def test_the_cache_key_follows_the_weights_and_chat_template_in_the_same_directo
     chunks get new keys, while an untouched target keeps its own."""
     copy = Path(shutil.copytree(target, tmp_path / "target"))
     chunks = [chats(2), chats(2, offset=2)]
-    first = cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)
-    assert len(set(first)) == 2 and cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6) == first
+    first = answers.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)
+    assert len(set(first)) == 2 and answers.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6) == first
     weights = load_file(copy / "model.safetensors")
     save_file({name: tensor + 1e-3 for name, tensor in weights.items()}, copy / "model.safetensors")  # "retrained"
-    retrained = cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)
+    retrained = answers.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)
     assert not set(retrained) & set(first)
-    assert cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6) == retrained
+    assert answers.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6) == retrained
     template = next(copy / name for name in ("chat_template.jinja", "tokenizer_config.json") if (copy / name).is_file())
     template.write_text(template.read_text().replace("<|end|>", "<|end|>\n"))
-    assert not set(cli.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)) & {*first, *retrained}
+    assert not set(answers.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)) & {*first, *retrained}
 
 
 def test_engine_arguments_need_vllm():
     with pytest.raises(EDSDError, match="through transformers"):
-        cli.generation_backend("transformers", {"tensor_parallel_size": 2})
+        answers.generation_backend("transformers", {"tensor_parallel_size": 2})
     with pytest.raises(EDSDError, match="unknown regeneration backend"):
-        cli.generation_backend("sglang")
+        answers.generation_backend("sglang")
 
 
 def test_a_target_without_a_chat_template_is_refused_in_one_line(tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_edsd.cli import main
-from vllm_edsd.target import selection
+from vllm_edsd.selection import metrics
 
 G = torch.Generator().manual_seed(0)
 
@@ -17,18 +17,18 @@ G = torch.Generator().manual_seed(0)
 def test_matrix_entropy_counts_directions():
     d = 32
     isotropic = torch.randn(20000, d, generator=G)
-    assert selection.matrix_entropy(isotropic) == pytest.approx(math.log(d), abs=0.02)
+    assert metrics.matrix_entropy(isotropic) == pytest.approx(math.log(d), abs=0.02)
     rank4 = torch.randn(20000, 4, generator=G) @ torch.linalg.qr(torch.randn(d, 4, generator=G)).Q.T
-    assert selection.matrix_entropy(rank4) == pytest.approx(math.log(4), abs=0.02)
+    assert metrics.matrix_entropy(rank4) == pytest.approx(math.log(4), abs=0.02)
 
 
 def test_curvature_straight_and_random():
     line = torch.linspace(0, 1, 50)[:, None] * torch.randn(1, 16, generator=G)
-    assert selection.curvature_score([line]) == pytest.approx(math.pi, abs=1e-4)  # angle 0
+    assert metrics.curvature_score([line]) == pytest.approx(math.pi, abs=1e-4)  # angle 0
     zigzag = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
-    assert selection.curvature_score([zigzag]) == pytest.approx(0.0, abs=1e-4)  # angle pi
+    assert metrics.curvature_score([zigzag]) == pytest.approx(0.0, abs=1e-4)  # angle pi
     walk = torch.randn(4000, 256, generator=G).cumsum(0)  # independent steps: angle pi/2
-    assert selection.curvature_score([walk]) == pytest.approx(math.pi / 2, abs=0.02)
+    assert metrics.curvature_score([walk]) == pytest.approx(math.pi / 2, abs=0.02)
 
 
 def test_lidar_is_the_effective_rank_of_class_separation():
@@ -38,7 +38,7 @@ def test_lidar_is_the_effective_rank_of_class_separation():
     for _ in range(300):
         centre = torch.randn(k, generator=G) @ directions * 10
         classes.append(centre + 0.01 * torch.randn(8, d, generator=G))
-    assert selection.lidar(classes) == pytest.approx(k, rel=0.1)
+    assert metrics.lidar(classes) == pytest.approx(k, rel=0.1)
 
 
 def test_select_layers_rule():
@@ -50,16 +50,16 @@ def test_select_layers_rule():
     scores[12]["lidar"] = 98  # the last layer's output, not a layer input: never chosen
     scores[5]["curvature"], scores[10]["lidar"] = 1.0, 1.0
     scores[10]["curvature"], scores[5]["lidar"] = 50.0, 50.0  # each outside the other metric's range
-    assert selection.select_layers(scores, n) == (5, 10, {"curvature": 5, "lidar": 10})
+    assert metrics.select_layers(scores, n) == (5, 10, {"curvature": 5, "lidar": 10})
     shallow = {1: {"curvature": 0.1, "lidar": 5}, 2: {"curvature": 0.9, "lidar": 7}, 3: {"curvature": 0.5, "lidar": 6}}
-    assert selection.select_layers(shallow, 3) == (2, 3, {"curvature": 2, "lidar": 3})  # same best: next by LiDAR
+    assert metrics.select_layers(shallow, 3) == (2, 3, {"curvature": 2, "lidar": 3})  # same best: next by LiDAR
     shallow[1]["lidar"] = 9
-    assert selection.select_layers(shallow, 3) == (1, 2, {"curvature": 2, "lidar": 1})
+    assert metrics.select_layers(shallow, 3) == (1, 2, {"curvature": 2, "lidar": 1})
 
 
 def test_every_pick_of_the_paper_lies_in_its_metrics_range():
-    for model, (layers, curvature, lidar) in selection.PAPER_PICKS.items():
-        ranges = selection.role_ranges(layers)
+    for model, (layers, curvature, lidar) in metrics.PAPER_PICKS.items():
+        ranges = metrics.role_ranges(layers)
         assert curvature in ranges["curvature"] and lidar in ranges["lidar"], model
 
 
@@ -68,7 +68,7 @@ def test_edselect_finds_the_straight_middle_layer_and_the_separable_high_layer()
     layer the most class-separable pooled representations: EDSelect must pick exactly those."""
     n, d, classes, copies, tokens = 8, 12, 24, 4, 16  # ranges: curvature 2..5, lidar 6..7
     straight_layer, separable_layer = 4, 7
-    stats = {layer: selection.LayerStatistics(d, 256) for layer in range(1, n + 1)}
+    stats = {layer: metrics.LayerStatistics(d, 256) for layer in range(1, n + 1)}
     centres = torch.randn(classes, d, generator=G)
     for c in range(classes):
         for layer, stat in stats.items():
@@ -81,7 +81,7 @@ def test_edselect_finds_the_straight_middle_layer_and_the_separable_high_layer()
     scores = {layer: stat.scores() for layer, stat in stats.items()}
     assert max(scores, key=lambda l: scores[l]["curvature"]) == straight_layer
     assert max(range(6, 8), key=lambda l: scores[l]["lidar"]) == separable_layer
-    assert selection.select_layers(scores, n) == (straight_layer, separable_layer,
+    assert metrics.select_layers(scores, n) == (straight_layer, separable_layer,
                                                   {"curvature": straight_layer, "lidar": separable_layer})
 
 

@@ -16,8 +16,9 @@ from support.specforge_layout import specforge_chains, write_specforge_checkpoin
 
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.features.hidden_states import run_target
+from vllm_edsd.launch.transformers_target import load_target
 from vllm_edsd.model.edsd import EDSDDraftModel
-from vllm_edsd.target.hidden_states import load_target, run_target
 
 K = 4
 VARIANTS = {

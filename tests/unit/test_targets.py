@@ -25,7 +25,7 @@ from vllm_edsd.checkpoint.config import (
 from vllm_edsd.checkpoint.layouts import EDSD_TRAINING
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.training import cli
+from vllm_edsd.regeneration import answers
 
 CONTEXT = 1024
 
@@ -137,7 +137,7 @@ def test_a_length_the_target_cannot_hold_is_one_line_before_any_work(short, tmp_
 def test_samples_past_the_length_are_cut_and_counted(short):
     from transformers import AutoTokenizer
 
-    from vllm_edsd.training.features import tokenize_conversations
+    from vllm_edsd.features.shards import tokenize_conversations
 
     tokenizer = AutoTokenizer.from_pretrained(short)
     chats = [long_chat(40), long_chat(400), long_chat(2000)]
@@ -156,7 +156,7 @@ def test_a_turn_whose_prompt_does_not_fit_ends_its_conversation(short, tmp_path,
     fits = [{"role": "user", "content": "Hello there."}]
     conversations = [fits, [long_question], [*fits, {"role": "assistant", "content": "-"}, long_question]]
     capsys.readouterr()
-    answered = cli.regenerate(str(short), conversations, tmp_path, 4, backend="transformers", device="cpu")
+    answered = answers.regenerate(str(short), conversations, tmp_path, 4, backend="transformers", device="cpu")
     out = capsys.readouterr().out
     assert [[m["role"] for m in c] for c in answered] == [["user", "assistant"], ["user", "assistant"]]
     assert [c[0]["content"] for c in answered] == ["Hello there."] * 2

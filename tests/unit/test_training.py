@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from vllm_edsd.checkpoint.config import EDSDConfig
+from vllm_edsd.features.hidden_states import token_entropy
 from vllm_edsd.model.edsd import EDSDDraftModel, KeyValueSteps
-from vllm_edsd.target.hidden_states import token_entropy
 from vllm_edsd.training.schedule import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
 from vllm_edsd.training.trainer import Recipe, ttt_loss
 from vllm_edsd.training.vocab import build_vocab_mapping
@@ -178,19 +178,20 @@ def test_a_prefix_of_the_samples_reuses_its_shards(models, monkeypatch, tmp_path
     size) reuses the shards of the samples it shares and extracts only the rest."""
     from dataclasses import replace
 
-    from vllm_edsd.target.hidden_states import TransformersFeatures, load_target
-    from vllm_edsd.training import features
+    from vllm_edsd.features import shards
+    from vllm_edsd.features.hidden_states import TransformersFeatures
+    from vllm_edsd.launch.transformers_target import load_target
 
-    monkeypatch.setattr(features, "SHARD_SIZE", 2)
+    monkeypatch.setattr(shards, "SHARD_SIZE", 2)
     target = TransformersFeatures(load_target(models["llama"]), (1, 3))
-    spec = features.FeatureSpec.of(models["llama"], (1, 3), "float32", "transformers")
+    spec = shards.FeatureSpec.of(models["llama"], (1, 3), "float32", "transformers")
     samples = [([1, 5 + i, 6, 7 + i], [0, 1, 1, 1]) for i in range(5)]
-    first = features.extract_features(target, samples[:4], tmp_path, spec)
+    first = shards.extract_features(target, samples[:4], tmp_path, spec)
     written = {p: p.stat().st_mtime_ns for p in first}
-    more = features.extract_features(target, samples, tmp_path, spec)
+    more = shards.extract_features(target, samples, tmp_path, spec)
     assert more[:2] == first and {p: p.stat().st_mtime_ns for p in first} == written
     assert len(more) == 3 and len(set(tmp_path.glob("shard-*"))) == 3
-    other_spec = features.extract_features(target, samples[:2], tmp_path, replace(spec, backend="other"))
+    other_spec = shards.extract_features(target, samples[:2], tmp_path, replace(spec, backend="other"))
     assert other_spec[0] not in more
 
 

@@ -1,5 +1,5 @@
-"""Building vLLM engines and reading speculative-decoding counters, shared by the demo,
-the benchmarks and the tests.
+"""Building vLLM engines (and ``--vllm-args``, the engine arguments a command passes them) and
+reading speculative-decoding counters, shared by the demo, the benchmarks and the tests.
 
 Acceptance is read from vLLM's own metrics (``vllm:spec_decode_*``): mean acceptance
 length τ = 1 + accepted / drafts, per-position rate = accepted at position i / drafts.
@@ -7,6 +7,8 @@ length τ = 1 + accepted / drafts, per-position rate = accepted at position i / 
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,6 +84,23 @@ def speculative_config(method: str, model: str | None, k: int, **extra: Any) -> 
     if method == "none":
         return None
     return {"method": method, "model": model, "num_speculative_tokens": k, **extra}
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm-args", type=engine_arguments, default={},
+                        help="JSON object of vLLM engine arguments for the target's engines (regeneration, "
+                             "features), e.g. '{\"tensor_parallel_size\": 8}'")
+
+
+def engine_arguments(text: str) -> dict:
+    """``--vllm-args``: a JSON object, passed to ``LLM(...)`` as keyword arguments."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object of engine arguments")
+    return value
 
 
 def make_llm(target: str, spec: dict | None = None, **kwargs: Any):

@@ -343,7 +343,7 @@ _HOOKED = "when a V1 EAGLE-family proposer loads (attach)"
 _LOOKUP_ON = "with \"prompt_lookup_min\"/\"prompt_lookup_max\" in an \"edsd\" or \"eagle3\" config"
 _DRAFTER_CONFIG = "vllm.config:ModelConfig.hf_config"  # the drafter's: SpeculativeConfig.draft_model_config
 _CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector:ExampleHiddenStatesConnector"
-_HOST_WRITE = ("vllm_edsd/target/host_connector.py:HostHiddenStatesConnector._submit_async_write",)
+_HOST_WRITE = ("vllm_edsd/features/host_connector.py:HostHiddenStatesConnector._submit_async_write",)
 _ON_HOST = "in feature extraction through vLLM, where the KV cache is in host memory"
 
 

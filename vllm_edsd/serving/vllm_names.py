@@ -83,8 +83,8 @@ class VllmName:
 _PLUGIN = "serving/plugin.py"
 _LIMITER = "serving/draft_length.py"
 _MODEL = "serving/vllm_model.py"
-_CONNECTOR = "target/host_connector.py"
-_FEATURES = "target/vllm_features.py"
+_CONNECTOR = "features/host_connector.py"
+_FEATURES = "features/vllm_extraction.py"
 _CPU_KERNELS = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
 
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vllm_edsd.features.hidden_states import run_target
 from vllm_edsd.launch.engine import SpecCounters
-from vllm_edsd.target.hidden_states import run_target
 
 
 def replay(sequence: Sequence[int], prompt_len: int, k: int, chain_at: Callable[[int], Sequence[int]]) -> SpecCounters:

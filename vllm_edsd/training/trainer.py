@@ -30,11 +30,11 @@ from tqdm import tqdm
 
 from vllm_edsd.checkpoint.files import replace_file, torch_load_failure
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.features.hidden_states import token_entropy
+from vllm_edsd.features.shards import SHARD_SIZE, batch_count, iterate_batches, join_batches, shard_samples
 from vllm_edsd.model.edsd import KeyValueSteps
-from vllm_edsd.target.hidden_states import token_entropy
 
 from .distributed import DDP, FSDP, SINGLE, World, shard_drafter
-from .features import SHARD_SIZE, batch_count, iterate_batches, join_batches, shard_samples
 from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
 STEP_WEIGHT = 0.8

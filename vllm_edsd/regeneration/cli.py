@@ -14,9 +14,11 @@ import json
 from pathlib import Path
 
 from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.data import read_conversations
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.launch.engine import add_vllm_arguments
 
-from .cli import GENERATION_BACKENDS, add_vllm_arguments, read_conversations, regenerate
+from .answers import GENERATION_BACKENDS, regenerate
 
 EPILOG = """\
 examples:

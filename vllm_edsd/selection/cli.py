@@ -14,8 +14,10 @@ from vllm_edsd.checkpoint.config import LAYER_INPUT, sequence_length
 from vllm_edsd.checkpoint.files import replace_file
 from vllm_edsd.data import load_conversations, load_sharegpt, render_many
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.target import selection
-from vllm_edsd.target.hidden_states import decoder_of, fingerprint, load_target, run_target
+from vllm_edsd.features.hidden_states import decoder_of, fingerprint, run_target
+from vllm_edsd.launch.transformers_target import load_target
+
+from . import metrics
 
 TOKENS_FOR_ENTROPY = 4096
 DEFAULT_MAX_LENGTH = 512
@@ -55,7 +57,7 @@ def score_layers(
     """Curvature, LiDAR and matrix entropy for layer ids 1..N, streamed one sequence at a time.
 
     Each layer's statistics are two D×D float64 matrices and a fixed sample of token states
-    (``selection.LayerStatistics``); the layers are scored in groups that fit ``memory_budget``
+    (``metrics.LayerStatistics``); the layers are scored in groups that fit ``memory_budget``
     bytes, one pass over the calibration set per group (the same perturbations in every pass),
     so memory depends on neither the number of sequences nor the number of layers.
     """
@@ -70,11 +72,11 @@ def score_layers(
         layer_ids = tuple(range(first, min(n, first + group - 1) + 1))
         bar.set_postfix(layers=f"{layer_ids[0]}-{layer_ids[-1]}")
         generator = torch.Generator().manual_seed(seed)
-        stats = {layer: selection.LayerStatistics(width, TOKENS_FOR_ENTROPY) for layer in layer_ids}
+        stats = {layer: metrics.LayerStatistics(width, TOKENS_FOR_ENTROPY) for layer in layer_ids}
         for ids in sequences:
             base = torch.tensor([ids])
-            variants = torch.cat([base] + [selection.perturb(base, vocab, generator)
-                                           for _ in range(selection.PERTURB_COPIES)])
+            variants = torch.cat([base] + [metrics.perturb(base, vocab, generator)
+                                           for _ in range(metrics.PERTURB_COPIES)])
             out = run_target(model, variants.to(device), layer_ids, outputs=False)
             picks = torch.randperm(len(ids), generator=generator)[:per_token]
             for layer in layer_ids:
@@ -121,14 +123,14 @@ def run(args: argparse.Namespace) -> int:
         raise EDSDError(f"only {len(sequences)} calibration samples of at least 4 tokens; need 2 or more")
     scores = score_layers(model, sequences, args.seed, args.device)
     num_layers = len(decoder_of(model).layers)
-    a, b, chosen = selection.select_layers(scores, num_layers)
-    ranges = selection.role_ranges(num_layers)
+    a, b, chosen = metrics.select_layers(scores, num_layers)
+    ranges = metrics.role_ranges(num_layers)
     result = {
         "target": Path(args.target).resolve().name,  # descriptive: no directory of this machine
         "fingerprint": vars(fingerprint(model)),
         "samples": len(sequences),
         "max_length": args.max_length,
-        "metrics": selection.__doc__,
+        "metrics": metrics.__doc__,
         "scores": {str(l): s for l, s in scores.items()},
         "aux_layer_ids": [a, b],
         "aux_layer_id_convention": LAYER_INPUT,

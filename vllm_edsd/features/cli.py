@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vllm_edsd.checkpoint.config import decoder_layers
 
-from .cli import (
+from .samples import (
     add_data_arguments,
     cut_line,
     feature_shards,
@@ -22,7 +22,7 @@ from .cli import (
     resolve_max_length,
     training_samples,
 )
-from .features import manifest_path
+from .shards import manifest_path
 
 EPILOG = """\
 examples:

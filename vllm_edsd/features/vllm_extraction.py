@@ -104,7 +104,7 @@ class VLLMFeatures:
         use_every_cpu_core()
         spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(self.captured)}}}
-        transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": "vllm_edsd.target.host_connector",
+        transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": "vllm_edsd.features.host_connector",
                     "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": self.scratch.name}}
         self.llm = make_llm(self.target, spec, kv_transfer_config=transfer, dtype=self.dtype,
                             max_model_len=self.max_length + 1, enable_prefix_caching=False, **self.engine_args)

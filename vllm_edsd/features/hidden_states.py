@@ -10,23 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from vllm_edsd.checkpoint.config import TargetFingerprint
 from vllm_edsd.errors import EDSDError
-
-
-def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """A transformers causal LM from a local directory (no hub access)."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise EDSDError(f"{path}: not a model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    return model.to(device).eval()
 
 
 def decoder_of(model) -> torch.nn.Module:
@@ -110,7 +98,7 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SampleFeatures:
-    """What training keeps of one sample's target forward (``training/features.py`` stores it):
+    """What training keeps of one sample's target forward (``shards.py`` stores it):
     the chosen layers' features, the lm_head input, and the target's argmax and entropy, which
     would otherwise cost a full-vocabulary product in every training step."""
 
@@ -122,7 +110,7 @@ class SampleFeatures:
 
 class TransformersFeatures:
     """Target features from a transformers model, ``batch_size`` samples per padded forward
-    (the fallback where vLLM cannot extract them, ``vllm_features.py``)."""
+    (the fallback where vLLM cannot extract them, ``vllm_extraction.py``)."""
 
     backend = "transformers"
 

@@ -40,8 +40,10 @@ from vllm_edsd.checkpoint.files import (
 )
 from vllm_edsd.data import Conversation, render_many
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.target.hidden_states import TransformersFeatures, load_target
-from vllm_edsd.target.vllm_features import VLLMFeatures, unavailable_reason
+from vllm_edsd.launch.transformers_target import load_target
+
+from .hidden_states import TransformersFeatures
+from .vllm_extraction import VLLMFeatures, unavailable_reason
 
 SHARD_SIZE = 64
 BACKENDS = ("auto", "vllm", "transformers")  # auto: vLLM where it can extract, else transformers

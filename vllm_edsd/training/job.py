@@ -1,0 +1,113 @@
+"""What ``edsd train`` runs, made from its arguments: the samples, the target's features, the
+draft vocabulary, the initial drafter and the recipe, the same on every rank."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_edsd.checkpoint.config import TargetFingerprint, decoder_layers, read_config_json, text_config
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.features.samples import (
+    cut_line,
+    feature_shards,
+    resolve_feature_layers,
+    resolve_max_length,
+    target_dtype,
+    training_samples,
+)
+from vllm_edsd.features.shards import aux_columns
+from vllm_edsd.launch.transformers_target import load_target
+
+from .distributed import SINGLE, World
+from .drafter import build_model, resolve_layers
+from .trainer import Recipe
+from .vocab import answer_token_counts, build_vocab_mapping
+
+
+def check_numbers(args: argparse.Namespace, vocab: int) -> None:
+    """Refuse out-of-range numbers before any work (a 0 must not silently mean "the default")."""
+    if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= vocab:
+        raise EDSDError(
+            f"--draft-vocab-size must be in 1..{vocab} (the target's vocabulary), got {args.draft_vocab_size}"
+        )
+    for flag in ("epochs", "ttt_steps", "batch_size", "max_length", "fuse_intermediate_size", "intermediate_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise EDSDError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise EDSDError(f"--max-samples must be a positive integer, got {args.max_samples}")
+    if args.save_every < 0:
+        raise EDSDError(f"--save-every is a number of batches: 0 (after each epoch only) or more, "
+                        f"got {args.save_every}")
+    if not args.lr > 0:
+        raise EDSDError(f"--lr must be positive, got {args.lr}")
+    if not 0 <= args.warmup < 1:
+        raise EDSDError(f"--warmup is a fraction of the optimizer steps, from 0 up to (not including) 1, "
+                        f"got {args.warmup}")
+    if not args.weight_decay >= 0:
+        raise EDSDError(f"--weight-decay must be 0 or more, got {args.weight_decay}")
+    if not 0 <= args.feature_noise < 10:
+        raise EDSDError(f"--feature-noise is relative to the features' RMS: 0 (none) up to 10, "
+                        f"got {args.feature_noise}")
+
+
+@dataclass
+class Job:
+    """Everything ``train`` needs, made from the arguments."""
+
+    model: torch.nn.Module
+    shards: list[Path]
+    draft_head: torch.Tensor
+    recipe: Recipe
+    columns: torch.Tensor | None
+
+
+def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None = None) -> Job:
+    """The samples, target features, draft vocabulary and initial drafter on ``device``
+    (default ``--device``): the same on every rank (tokenisation and vocabulary are
+    deterministic)."""
+    out, device = Path(args.out), device or args.device
+    cfg_raw = read_config_json(args.target)
+    source = f"{args.target}/config.json"
+    target = TargetFingerprint.from_hf_config(text_config(cfg_raw, source), source)
+    target_layers = decoder_layers(args.target)
+    layers = resolve_layers(args, target_layers)
+    feature_layers = resolve_feature_layers(args.feature_layers, layers, target_layers)
+    check_numbers(args, target.vocab_size)
+    length_set_by = resolve_max_length(args)
+    from transformers.utils import logging
+
+    if not world.main:  # progress bars on rank 0 only
+        logging.disable_progress_bar()
+    cache = Path(args.cache) if args.cache else out / "cache"
+    samples, read, skipped, cut = training_samples(args, cache, world)
+    counts = answer_token_counts(samples)
+    vocab = target.vocab_size
+    d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
+    # vLLM's extraction runs (and frees its memory) before transformers loads the target
+    shards = feature_shards(args, samples, feature_layers, cache, world, device)
+    target_model = load_target(args.target, dtype=getattr(torch, target_dtype(args, device)), device=device)
+    model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(device)
+    # Only the draft vocabulary's rows (in draft-id order: d2t keeps target ids ascending) are read.
+    draft_head = target_model.get_output_embeddings().weight.detach()[torch.nonzero(t2d).flatten()].float()
+    recipe = Recipe(method=args.method, epochs=args.epochs, max_ttt_steps=args.ttt_steps,
+                    reading=args.edtrain_reading, gamma=args.gamma,
+                    mask_p=args.method == "edsd" and not args.no_mask_p,
+                    step_n=args.method == "edsd" and not args.no_step_n,
+                    lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup, weight_decay=args.weight_decay,
+                    batch_size=args.batch_size, seed=args.seed, feature_noise=args.feature_noise)
+    if world.main:
+        if skipped:
+            print(f"skipped {skipped} of {read} conversations: the chat template does not render "
+                  "their answers after their own prompts")
+        if cut:
+            print(cut_line(cut, len(samples), args.max_length, length_set_by))
+        print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
+              f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
+              + (f", {world.size} data-parallel processes ({world.data_parallel})" if world.size > 1 else ""))
+    columns = None if feature_layers == layers else aux_columns(feature_layers, layers, target.hidden_size)
+    return Job(model, shards, draft_head, recipe, columns)
