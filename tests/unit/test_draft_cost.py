@@ -4,8 +4,10 @@ functions of vLLM's EAGLE proposer that name the draft's parts, and a frame of v
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,33 +62,56 @@ def engine_step(target: nn.Module, drafter: Drafter, head: nn.Linear, prefill: b
         propose(drafter, head, hidden[-1:])
 
 
-def traced(path, with_stack: bool) -> profile:
+def traced(path, with_stack: bool) -> dict[str, list[float]]:
+    """Profile the steps into ``path``; the durations (µs) torch recorded for the forward and draft
+    scopes, in order, read before the export (torch's event names can be unreadable after it)."""
     target = nn.Sequential(*(nn.Linear(64, 64) for _ in range(8)))
     drafter, head = Drafter(), nn.Linear(64, 32)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], with_stack=with_stack) as prof:
         for step in range(1 + DECODE_STEPS):
             engine_step(target, drafter, head, prefill=step == 0)
+    recorded = {name: [e.time_range.elapsed_us() for e in sorted((e for e in prof.events() if e.name == name),
+                                                                 key=lambda e: e.time_range.start)]
+                for name in (trace.FORWARD, trace.DRAFT)}
     prof.export_chrome_trace(str(path))
-    return prof
+    return recorded
+
+
+# torch's profiler, run after other tests in one process, has returned event names it could not
+# decode (UnicodeDecodeError in ``prof.events()``): the steps are profiled in a fresh process.
+PROFILE_IN_A_FRESH_PROCESS = """
+import json, sys
+sys.path[:0] = [sys.argv[3], sys.argv[4]]
+from test_draft_cost import traced
+print(json.dumps(traced(sys.argv[1], with_stack=sys.argv[2] == "stack")))
+"""
+
+
+def traced_apart(path: Path, with_stack: bool) -> dict[str, list[float]]:
+    """``traced`` in a fresh process."""
+    here = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", PROFILE_IN_A_FRESH_PROCESS, str(path),
+                          "stack" if with_stack else "no-stack", str(here), str(here.parent)],
+                         capture_output=True, text=True, timeout=300, cwd=here.parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def stack_trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "rank0.pt.trace.json.gz"
-    prof = traced(path, with_stack=True)
-    return trace.decode_steps(trace.call_trees(trace.read_events(path))), prof
+    recorded = traced_apart(path, with_stack=True)
+    return trace.decode_steps(trace.call_trees(trace.read_events(path))), recorded
 
 
 def test_decode_steps_pair_each_target_forward_with_its_draft(stack_trace):
     """The prefill step is left out; every decode step has its forward and the draft after it,
     with the durations torch's own profiler recorded for those scopes."""
-    steps, prof = stack_trace
+    steps, recorded = stack_trace
     assert len(steps) == DECODE_STEPS
     assert all(s.tokens == K + 1 and s.draft is not None and s.draft.start >= s.forward.end for s in steps)
     for name, parsed in ((trace.FORWARD, [s.forward for s in steps]), (trace.DRAFT, [s.draft for s in steps])):
-        recorded = sorted((e for e in prof.events() if e.name == name), key=lambda e: e.time_range.start)
-        assert [c.duration for c in parsed] == pytest.approx([e.time_range.elapsed_us() for e in recorded[1:]],
-                                                             abs=0.01)
+        assert [c.duration for c in parsed] == pytest.approx(recorded[name][1:], abs=0.01)
 
 
 def test_a_draft_splits_into_the_proposers_parts(stack_trace):
@@ -109,7 +134,7 @@ def test_a_draft_splits_into_the_proposers_parts(stack_trace):
 def test_without_python_calls_the_draft_has_no_parts(tmp_path):
     """A trace without with_stack still gives the timings, and no split of the draft."""
     path = tmp_path / "rank0.pt.trace.json"
-    traced(path, with_stack=False)
+    traced_apart(path, with_stack=False)
     steps = trace.decode_steps(trace.call_trees(trace.read_events(path)))
     assert len(steps) == DECODE_STEPS and all(s.draft is not None for s in steps)
     assert all(trace.draft_parts(s.draft) is None and trace.drafter_forwards(s.draft) == 0 for s in steps)
