@@ -16,8 +16,8 @@ LAYERS=1,20,29  # besides EDSelect's and EAGLE-3's (2, 15, 27): every row's laye
 COSINE="--lr-schedule cosine --weight-decay 0"
 ROWS=(
   "edsd|$COSINE"                              # the paper's recipe: EDSelect's layers, annealed
-  "edsd|--layers 1,20"                        # the shipped recipe and layers
   "eagle3|$COSINE"                            # EAGLE-3 with the same optimizer
+  "edsd|--layers 1,20"                        # the shipped recipe and layers
   "eagle3|"                                   # the shipped EAGLE-3 recipe
   "edsd|"                                     # EDSelect's layers, the shipped optimizer
   "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream

