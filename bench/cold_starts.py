@@ -10,8 +10,8 @@ the worker of an EDSD engine died of a stack overflow in vLLM's oneDNN handle fi
 none of its environment defaults, then one greedy request.
 
 Writes DIR/results.json (one object per start) and DIR/report.md. A start counts as failed when
-its process exits non-zero or prints "Fatal Python error"; the finaliser's ignored exceptions
-("Exception ignored in") are counted apart.
+its process exits non-zero or prints "Fatal Python error"; exceptions Python reported and
+ignored ("Exception ignored in", in a finaliser for instance) are counted and quoted apart.
 """
 
 from __future__ import annotations
@@ -76,13 +76,26 @@ def start_once(args: argparse.Namespace, cache: Path, kind: str) -> dict:
     except subprocess.TimeoutExpired as exc:
         # captured output is bytes here, whatever text= says
         stdout, output, code = "", b"".join(filter(None, (exc.stdout, exc.stderr))).decode(errors="replace"), None
-    last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-    reply = json.loads(last) if last.startswith("{") else {}
+    # vLLM logs to stdout too: the reply is the line the start printed
+    line = next((line for line in reversed(stdout.splitlines()) if line.startswith('{"startup_s"')), "")
+    reply = json.loads(line) if line else {}
     failed = code != 0 or FATAL in output
     return {"kind": kind, "exit_code": code, "failed": failed, "fatal_error": FATAL in output,
-            "ignored_finaliser_exceptions": output.count(IGNORED), "aot_load_failed": AOT_LOAD_FAILURE in output,
+            "ignored_exceptions": ignored_exceptions(output), "aot_load_failed": AOT_LOAD_FAILURE in output,
             "wall_s": round(time.time() - began, 1), "startup_s": reply.get("startup_s"), "reply": reply.get("reply"),
             "log_tail": output[-3000:] if failed else ""}
+
+
+def ignored_exceptions(output: str) -> list[str]:
+    """Each exception Python reported and ignored (in a finaliser...): where, and the exception's
+    own line (the first unindented line after its traceback)."""
+    found, lines = [], output.splitlines()
+    for i, line in enumerate(lines):
+        if IGNORED in line:
+            reason = next((later for later in lines[i + 1:i + 200]
+                           if later and not later.startswith((" ", "Traceback")) and IGNORED not in later), "")
+            found.append(f"{line[line.index(IGNORED):]} {reason}".strip())
+    return found
 
 
 def render(results: dict) -> str:
@@ -93,17 +106,20 @@ def render(results: dict) -> str:
              f"Command: `python -m bench.cold_starts {' '.join(results['argv'])}`  ",
              f"Machine: {describe(results['machine'])}; float32, compiled (not eager), method "
              f"`{results['method']}`, the vllm-edsd plugin {results['plugin']}.", "",
-             "| kind | starts | failed | fatal errors | ignored finaliser exceptions | AOT load failed | "
-             "start-up (s, median) |", "|---|---|---|---|---|---|---|"]
+             "| kind | starts | failed | fatal errors | ignored exceptions | AOT load failed | "
+             "process wall time (s, median) |", "|---|---|---|---|---|---|---|"]
     for kind in ("cold", "reload"):
         rows = [s for s in starts if s["kind"] == kind]
-        times = sorted(s["startup_s"] for s in rows if s["startup_s"] is not None)
-        median = f"{times[len(times) // 2]:.1f}" if times else "-"
+        times = sorted(s["wall_s"] for s in rows)
+        median = f"{times[len(times) // 2]:.0f}" if times else "-"
         lines.append(f"| {kind} | {len(rows)} | {sum(s['failed'] for s in rows)} | "
-                     f"{sum(s['fatal_error'] for s in rows)} | {sum(s['ignored_finaliser_exceptions'] for s in rows)} "
+                     f"{sum(s['fatal_error'] for s in rows)} | {sum(len(s['ignored_exceptions']) for s in rows)} "
                      f"| {sum(s['aot_load_failed'] for s in rows)} | {median} |")
     replies = {s["reply"] for s in starts if s["reply"] is not None}
-    lines += ["", f"Replies: {len(replies)} distinct ({', '.join(repr(r) for r in sorted(replies))})."]
+    lines += ["", f"Replies: {len(replies)} distinct ({', '.join(repr(r) for r in sorted(replies))})." if replies
+              else "Replies: none recorded."]
+    ignored = sorted({text for s in starts for text in s["ignored_exceptions"]})
+    lines += ["", "Ignored exceptions:", ""] + [f"- `{text}`" for text in ignored] if ignored else []
     return "\n".join(lines) + "\n"
 
 

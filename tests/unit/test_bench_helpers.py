@@ -256,3 +256,22 @@ def test_the_report_rows_carry_the_values_of_results_json():
     acceptance = sum(r["suite"] == "acceptance" for r in results["runs"])
     del changed["runs"][0]
     assert f"Acceptance: {acceptance} rows for {acceptance - 1} runs" in mismatches(report, changed)
+
+
+def test_cold_starts_quote_each_ignored_exception_with_its_reason():
+    """What a start printed: vLLM's log lines, one exception Python ignored in a finaliser (its
+    traceback, then its own line), the start's reply; the reply line is found among the logs."""
+    from bench.cold_starts import ignored_exceptions
+
+    output = "\n".join([
+        "(Worker pid=7) INFO 11-27 12:43:05 [monitor.py:91] warm-up took 11.68 s",
+        "Exception ignored in: <function CPUDNNLGEMMHandler.__del__ at 0x7f>",
+        "Traceback (most recent call last):",
+        '  File "vllm/_custom_ops.py", line 3728, in __del__',
+        "    self.dtor(self.handler_tensor.item())",
+        "RuntimeError: Tensor.item() cannot be called on meta tensors",
+        "(Worker pid=7) INFO 11-27 12:43:16 [monitor.py:91] done",
+    ])
+    assert ignored_exceptions(output) == ["Exception ignored in: <function CPUDNNLGEMMHandler.__del__ at 0x7f> "
+                                          "RuntimeError: Tensor.item() cannot be called on meta tensors"]
+    assert ignored_exceptions("(Worker pid=7) INFO nothing ignored") == []
