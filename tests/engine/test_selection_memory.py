@@ -6,7 +6,7 @@ from __future__ import annotations
 PEAK_MEMORY_SCRIPT = """
 import resource, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from vllm_edsd.selection.cli import score_layers
+from vllm_edsd.selection.scoring import score_layers
 
 samples, layers, budget = (int(a) for a in sys.argv[1:4])
 torch.manual_seed(0)

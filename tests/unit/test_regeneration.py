@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tests.support.toy import make_target, toy_corpus
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.regeneration import answers
-from vllm_edsd.regeneration.greedy import greedy_replies, length_batches
+from vllm_edsd.regeneration.greedy import greedy_answers, greedy_replies, length_batches
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,22 @@ def test_batched_answers_equal_each_prompt_answered_alone(model_and_tokenizer):
             answer = answer[: answer.index(tokenizer.eos_token_id)]
         assert reply == tokenizer.decode(answer, skip_special_tokens=True)
     assert any(batched)
+
+
+def test_answers_stop_where_the_batch_reaches_the_targets_context(model_and_tokenizer):
+    """With the target's context (``window``) three tokens past the longest prompt, every answer
+    of the batch is the start of its unbounded answer and no longer than three tokens, where the
+    unbounded ones run on."""
+    from vllm_edsd.data import template_ids
+
+    model, tokenizer = model_and_tokenizer
+    prompts = [template_ids(tokenizer, chat, generation_prompt=True) for chat in chats(4)]
+    window = max(map(len, prompts)) + 3
+    free = greedy_answers(model, tokenizer, prompts, 24, token_budget=1 << 14)
+    capped = greedy_answers(model, tokenizer, prompts, 24, token_budget=1 << 14, window=window)
+    assert all(whole.startswith(start) for whole, start in zip(free, capped))
+    assert all(len(tokenizer(start, add_special_tokens=False).input_ids) <= 3 for start in capped)
+    assert any(len(whole) > len(start) for whole, start in zip(free, capped))
 
 
 def test_regeneration_through_transformers_is_cached_and_resumed(target, tmp_path, monkeypatch):

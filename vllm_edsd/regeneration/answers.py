@@ -147,8 +147,8 @@ def replier(
     model = load_target(target, dtype=getattr(torch, device_dtype(device)), device=device)
     budget = TOKEN_BUDGET["cpu" if device == "cpu" else "accelerator"]
     window = context_length(target)
-    yield fitting(lambda prompts: greedy_answers(model, tokenizer, prompts, max_tokens, token_budget=budget),
-                  tokenizer, window), window
+    yield fitting(lambda prompts: greedy_answers(model, tokenizer, prompts, max_tokens, token_budget=budget,
+                                                 window=window), tokenizer, window), window
 
 
 def fitting(run: Callable[[list[list[int]]], list[str]], tokenizer, window: int | None) -> Reply:

@@ -47,9 +47,13 @@ def greedy_replies(
 
 @torch.inference_mode()
 def greedy_answers(
-    model, tokenizer, prompts: list[list[int]], max_tokens: int, *, token_budget: int = 65536
+    model, tokenizer, prompts: list[list[int]], max_tokens: int, *, token_budget: int = 65536,
+    window: int | None = None,
 ) -> list[str]:
-    """The target's greedy answer to each prompt of token ids."""
+    """The target's greedy answer to each prompt of token ids. With ``window`` (the target's
+    context), no sequence of a batch grows past it: the batch's answers stop where its longest
+    prompt (left-padded, every row's length) reaches the context, as vLLM stops a request at its
+    ``max_model_len``; a prompt must be shorter than ``window``."""
     stops = end_tokens(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     device = next(model.parameters()).device
@@ -60,12 +64,14 @@ def greedy_answers(
     for batch in tqdm(length_batches([len(p) for p in prompts], max_tokens, token_budget),
                       desc="answering", unit="batch"):
         width = len(prompts[batch[0]])
+        room = max_tokens if window is None else min(max_tokens, window - width)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=plain)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=plain,
+                             max_new_tokens=room)
         for row, i in enumerate(batch):
             answer = out[row, width:].tolist()
             ends = [k for k, token in enumerate(answer) if token in stops]
