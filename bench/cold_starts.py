@@ -125,17 +125,18 @@ def render(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from vllm_edsd.demo.target import demo_target
+    from vllm_edsd.demo import demo_paths
     from vllm_edsd.serving.plugin import DISABLE_ENV
 
     from .__main__ import machine
 
-    try:
-        args.target = args.target or str(demo_target())
-    except EDSDError as exc:
-        print(f"bench.cold_starts: {exc}", file=sys.stderr)
-        return 2
-    args.drafter = args.drafter or str(Path(__file__).resolve().parents[1] / "vllm_edsd" / "assets" / "demo" / "edsd")
+    if args.target is None or args.drafter is None:
+        try:
+            demo = demo_paths()
+        except EDSDError as exc:
+            print(f"bench.cold_starts: {exc}", file=sys.stderr)
+            return 2
+        args.target, args.drafter = args.target or demo["target"], args.drafter or demo["edsd"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plugin = "disabled (VLLM_EDSD_DISABLE)" if os.environ.get(DISABLE_ENV) else "installed"
