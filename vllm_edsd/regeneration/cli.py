@@ -15,7 +15,7 @@ from pathlib import Path
 
 from vllm_edsd.checkpoint.files import replace_file
 from vllm_edsd.data import read_conversations
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.errors import positive_int
 from vllm_edsd.launch.engine import add_vllm_arguments
 
 from .answers import GENERATION_BACKENDS, regenerate
@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for flag in ("max_samples", "answer_tokens"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise EDSDError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+        if getattr(args, flag) is not None:
+            positive_int(getattr(args, flag), f"--{flag.replace('_', '-')}")
     out = Path(args.out)
     conversations = read_conversations(args)
     cache = Path(args.cache) if args.cache else out.parent / "regenerate-cache"
