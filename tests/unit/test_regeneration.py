@@ -123,6 +123,16 @@ def test_the_cache_key_follows_the_weights_and_chat_template_in_the_same_directo
     assert not set(answers.regenerated_paths(str(copy), chunks, tmp_path / "cache", 6)) & {*first, *retrained}
 
 
+def test_the_cache_key_follows_the_engines_context(target, tmp_path):
+    """An engine given a shorter ``max_model_len`` skips other turns and stops answers earlier:
+    its chunks get their own keys; the engine's default context keeps the target's keys."""
+    chunks = [chats(2)]
+    default = answers.regenerated_paths(target, chunks, tmp_path, 6)
+    shorter = answers.regenerated_paths(target, chunks, tmp_path, 6, max_model_len=64)
+    assert shorter != default and answers.regenerated_paths(target, chunks, tmp_path, 6, None) == default
+    assert answers.regenerated_paths(target, chunks, tmp_path, 6, max_model_len=128) not in (default, shorter)
+
+
 def test_engine_arguments_need_vllm():
     with pytest.raises(EDSDError, match="through transformers"):
         answers.generation_backend("transformers", {"tensor_parallel_size": 2})

@@ -40,7 +40,7 @@ def regenerate(
     chat template is refused before any work (``require_chat_template``); a turn whose prompt
     does not fit the target's context ends its conversation there, counted in one line."""
     chunks = [conversations[i : i + REGENERATE_CHUNK] for i in range(0, len(conversations), REGENERATE_CHUNK)]
-    paths = regenerated_paths(target, chunks, cache_dir, max_tokens)
+    paths = regenerated_paths(target, chunks, cache_dir, max_tokens, (engine_args or {}).get("max_model_len"))
     missing = [i for i, path in enumerate(paths) if not path.exists()]
     if missing:
         backend = generation_backend(backend, engine_args)
@@ -68,14 +68,20 @@ def regenerate(
 CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 
-def regenerated_paths(target: str, chunks: list[list], cache_dir: Path, max_tokens: int) -> list[Path]:
+def regenerated_paths(
+    target: str, chunks: list[list], cache_dir: Path, max_tokens: int, max_model_len: int | None = None
+) -> list[Path]:
     """Each chunk's cache file, named by a hash of everything its answers depend on: the
     target's path and the content fingerprint of its config and weights (retrained weights in
-    the same directory answer differently), its chat template, ``max_tokens`` and the chunk's
+    the same directory answer differently), its chat template, ``max_tokens``, the engine's
+    ``max_model_len`` where one is given (it decides which turns fit and where answers stop;
+    without one it is the target's own context, which the fingerprint covers) and the chunk's
     conversations."""
     templates = [(Path(target) / name).read_text() if (Path(target) / name).is_file() else None
                  for name in CHAT_TEMPLATE_FILES]
     identity = [str(Path(target).resolve()), checkpoint_fingerprint(target), templates, max_tokens]
+    if max_model_len is not None:
+        identity.append({"max_model_len": max_model_len})
     keys = [hashlib.sha256(json.dumps([*identity, chunk]).encode()).hexdigest()[:16] for chunk in chunks]
     return [cache_dir / f"regenerated-{key}.jsonl" for key in keys]
 
