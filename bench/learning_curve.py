@@ -7,7 +7,7 @@ but the results lives under ``--work`` (default ``~/.cache/vllm-edsd/learning-cu
 
 1. data: ``edsd build-demo``'s prompts (ShareGPT chat and code, seeded, held-out prompts
    excluded) answered by the target through vLLM, in resumable chunks;
-2. EDSelect's layers for EDSD (the pipeline's select stage, ``vllm_edsd.pipeline``);
+2. EDSelect's layers for EDSD (the pipeline's select stage, ``vllm_edsd.pipeline.stages``);
 3. for every size N and method: ``edsd train`` on the first N conversations with the demo
    recipe; both methods and every size read one feature cache (shards named by content);
 4. τ of each drafter served by vLLM (K, greedy, ignore EOS, float32) on the bench's held-out
@@ -65,7 +65,8 @@ def demo_plan(args: argparse.Namespace, largest: int):
     """``edsd build-demo``'s recipe (its pipeline config) with enough prompts for the largest size."""
     from vllm_edsd.demo import build
     from vllm_edsd.demo.target import demo_target
-    from vllm_edsd.pipeline import Plan, load_config
+    from vllm_edsd.pipeline.config import load_config
+    from vllm_edsd.pipeline.stages import Plan
 
     code = args.code_prompts if args.code_prompts is not None else largest // 3
     chat = args.chat_prompts if args.chat_prompts is not None else largest - code
@@ -82,7 +83,7 @@ def train_point(plan, method: str, size: int, extra: list[str], feature_layers: 
     """The drafter trained on the first ``size`` conversations, in a layout vLLM serves, from
     the features of the plan's layers and ``feature_layers``."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
-    from vllm_edsd.pipeline import run_command
+    from vllm_edsd.pipeline.stages import run_command
 
     variant = "".join(extra).replace("-", "").replace("/", "_")
     # another data set or another ablation is another run
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(methods) - set(METHODS)):
         print(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
-    from vllm_edsd.pipeline import run_pipeline
+    from vllm_edsd.pipeline.stages import run_pipeline
 
     from .__main__ import machine
 

@@ -22,7 +22,7 @@ COMMANDS = {
     "regenerate": "vllm_edsd.regeneration.cli",
     "features": "vllm_edsd.features.cli",
     "train": "vllm_edsd.training.cli",
-    "pipeline": "vllm_edsd.pipeline",
+    "pipeline": "vllm_edsd.pipeline.cli",
     "demo": "vllm_edsd.demo",
     "build-demo": "vllm_edsd.demo.build",
 }

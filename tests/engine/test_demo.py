@@ -65,7 +65,8 @@ def serve(paths, engine_runs, method: str | None) -> dict:
 
 def test_demo_prompts_are_in_no_training_data():
     from vllm_edsd.demo.build import PIPELINE
-    from vllm_edsd.pipeline import drafter_prompts, read_toml
+    from vllm_edsd.pipeline.config import read_toml
+    from vllm_edsd.pipeline.conversations import drafter_prompts
 
     data = read_toml(PIPELINE)["data"]  # tomllib, or tomli on Python 3.10
     trained = {m[0]["content"] for m in drafter_prompts(data["sharegpt_chat"], data["sharegpt_code"], data["seed"])}

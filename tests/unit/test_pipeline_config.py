@@ -170,11 +170,11 @@ def test_a_config_that_is_not_toml(tmp_path, capsys, content, message):
 
 
 def test_the_example_config_reads(tmp_path, capsys):
-    from vllm_edsd.pipeline import load_config
+    from vllm_edsd.pipeline.config import load_config
 
     assert main(["pipeline", "--example"]) == 0
     cfg = load_config(write_example(tmp_path, capsys.readouterr().out))
-    assert cfg["train"]["methods"] == ["edsd", "eagle3"] and cfg["output"]["work"] == str(tmp_path / "runs/smollm2")
+    assert cfg.train.methods == ["edsd", "eagle3"] and cfg.output.work == str(tmp_path / "runs/smollm2")
 
 
 def write_example(tmp_path: Path, text: str) -> Path:
@@ -187,7 +187,8 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     """``pipeline.toml`` and build-demo's flags give the arguments the shipped drafters were
     trained with (all 10,043 conversations, saved every 100 batches; the epochs from the flag)."""
     from vllm_edsd.demo import DEMO_PROMPTS, build
-    from vllm_edsd.pipeline import Plan, load_config
+    from vllm_edsd.pipeline.config import load_config
+    from vllm_edsd.pipeline.stages import Plan
 
     parser = argparse.ArgumentParser()
     build.add_arguments(parser)
@@ -204,6 +205,6 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
         "--max-length": "448", "--batch-size": "8", "--seed": "0", "--device": "cpu", "--save-every": "100",
         "--cache": str(tmp_path / "cache"), "--feature-layers": "1,2,3"}
     assert "--layers-from" not in plan.train_argv("eagle3")
-    assert plan.cfg["data"]["exclude"] == [prompt for _, prompt in DEMO_PROMPTS]
+    assert plan.cfg.data.exclude == [prompt for _, prompt in DEMO_PROMPTS]
     assert plan.convert_argv()[-5:] == ["--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dtype", "float16",
                                         "--force"]

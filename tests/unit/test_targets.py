@@ -224,7 +224,8 @@ def test_the_pipeline_follows_the_target_and_refuses_a_longer_length_before_any_
     """``edsd pipeline``: its derived training length (answers + 256 tokens) and EDSelect's are
     cut to the target's context; a length its config sets past the context is one line before
     the first stage runs."""
-    from vllm_edsd.pipeline import Plan, load_config
+    from vllm_edsd.pipeline.config import load_config
+    from vllm_edsd.pipeline.stages import Plan
 
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi."}]}) + "\n")
 
@@ -235,7 +236,7 @@ def test_the_pipeline_follows_the_target_and_refuses_a_longer_length_before_any_
         return path
 
     plan = Plan(load_config(config("")))
-    assert plan.train["max_length"] == CONTEXT - 1
+    assert plan.train.max_length == CONTEXT - 1
     assert "--max-length" not in plan.select_argv()  # `edsd select` follows the target itself
     capsys.readouterr()
     assert main(["pipeline", str(config("max_length = 2048\n"))]) == 2

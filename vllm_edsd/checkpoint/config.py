@@ -25,7 +25,8 @@ LAYER_INPUT = "layer_input"  # EAGLE / vLLM / SGLang: id l = input of decoder la
 LAYER_OUTPUT = "layer_output"  # SpecForge: id l = output of decoder layer l = vLLM id l+1
 LAYER_ID_CONVENTIONS = (LAYER_INPUT, LAYER_OUTPUT)
 
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")  # a drafter's weights; a target's while its features are read
+DEFAULT_ROPE_THETA = 10000.0  # RoPE's base where a config names none (Llama's, transformers' default)
 
 # The norm EDFuse applies to the token embedding. SpecForge's EDSD (what the paper's drafters
 # were trained with) uses an RMSNorm; the paper's prose describes a LayerNorm with bias.
@@ -181,7 +182,7 @@ class EDSDConfig:
     rms_norm_eps: float = 1e-5
     token_norm: str = RMSNORM
     token_norm_eps: float = 1e-5
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": DEFAULT_ROPE_THETA})
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     token_norm_folded: bool = False
@@ -303,7 +304,7 @@ class EDSDConfig:
             "rope_parameters": dict(self.rope_parameters),
         }
         # transformers 4.x readers look for these two.
-        out["rope_theta"] = self.rope_parameters.get("rope_theta", 10000.0)
+        out["rope_theta"] = self.rope_parameters.get("rope_theta", DEFAULT_ROPE_THETA)
         if self.rope_parameters.get("rope_type", "default") != "default":
             out["rope_scaling"] = dict(self.rope_parameters)
         if self.target_hidden_size != self.hidden_size:
@@ -530,14 +531,14 @@ def rope_parameters_of(raw: dict, source: str = "config.json") -> dict:
         params = raw.get("rope_scaling") or {}
         if not isinstance(params, dict):
             raise EDSDError(f"{source}: field 'rope_scaling' must be an object, got {params!r:.80}")
-        params = {"rope_theta": raw.get("rope_theta", 10000.0), **params}
+        params = {"rope_theta": raw.get("rope_theta", DEFAULT_ROPE_THETA), **params}
     if not isinstance(params, dict):
         raise EDSDError(f"{source}: field 'rope_parameters' must be an object, got {params!r:.80}")
     params = dict(params)
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    params.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
     if not isinstance(params["rope_type"], str) or params["rope_type"] not in ("default", "llama3", "linear"):
         raise EDSDError(
             f"{source}: rope type {params['rope_type']!r} is not supported by the EDSD draft layer "

@@ -2,7 +2,7 @@
 (SmolLM2-135M-Instruct), with this package's own tools, from data on PyPI.
 
 The recipe is one pipeline description, ``vllm_edsd/demo/pipeline.toml``, run by ``edsd pipeline``'s
-stages (``vllm_edsd.pipeline``), each skipped when its output is finished (rerun the same command
+stages (``vllm_edsd.pipeline.stages``), each skipped when its output is finished (rerun the same command
 to resume; what an interrupted stage left, such as a config.json without weights, is redone):
 
 1. ``data``       first user turns of ShareGPT conversations (seeded order): chat prompts, plus
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.pipeline import Plan, load_config, run_pipeline
+from vllm_edsd.pipeline.config import load_config
+from vllm_edsd.pipeline.stages import Plan, run_pipeline
 
 from . import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, measure_acceptance
 from .target import HUB_ID, demo_target

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from vllm_edsd.checkpoint.config import context_length, sequence_length
+from vllm_edsd.checkpoint.config import SUPPORTED_DTYPES, context_length, sequence_length
 from vllm_edsd.data import read_conversations
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import add_vllm_arguments
@@ -53,7 +53,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regenerate", action="store_true", help="regenerate assistant turns with the target (vLLM)")
     parser.add_argument("--seed", type=int, default=0, help="seed of ShareGPT's order (and of training)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+    parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, default=None,
                         help="the target's dtype while features are extracted (default: bfloat16 on a GPU, "
                              "float32 on a CPU; the drafter always trains in float32)")
     parser.add_argument("--features-backend", choices=BACKENDS, default="auto",

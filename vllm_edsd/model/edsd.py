@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_edsd.checkpoint.config import LAYERNORM, EDSDConfig
+from vllm_edsd.checkpoint.config import DEFAULT_ROPE_THETA, LAYERNORM, SUPPORTED_DTYPES, EDSDConfig
 from vllm_edsd.checkpoint.files import cast_floating, iter_tensors, tensor_shapes, write_checkpoint
 from vllm_edsd.checkpoint.layouts import EDSD_TRAINING, Layout, is_side_tensor, read_drafter_config, unexpected_hint
 from vllm_edsd.errors import EDSDError
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}  # name -> torch dtype
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
 def rope_inverse_frequencies(head_dim: int, params: dict) -> torch.Tensor:
     """Inverse frequencies of Llama RoPE: default, linear and llama3 scaling."""
-    theta = float(params.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta", DEFAULT_ROPE_THETA))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = params.get("rope_type", "default")
     if kind == "linear":
