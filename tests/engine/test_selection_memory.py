@@ -46,7 +46,7 @@ def _peak_growth_mib(samples: int, layers: int, budget: int = ONE_LAYER) -> int:
 
 def test_select_memory_does_not_grow_with_samples_or_layers():
     """With a budget of one layer EDSelect streams: its peak grows neither with the calibration
-    set (each sequence's states and per-class covariances once stayed alive) nor with the
+    set (as it would if each sequence's states or per-class covariances stayed alive) nor with the
     number of layers (one layer per pass)."""
     few, many, deeper = _peak_growth_mib(4, 2), _peak_growth_mib(24, 2), _peak_growth_mib(4, 6)
     assert many - few < BOUND_MIB, (few, many)
