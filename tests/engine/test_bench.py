@@ -128,19 +128,19 @@ def test_draft_length_variants_side_by_side(models, tmp_path):
 
 def test_stop_at_eos_ends_replies_where_the_model_ends_its_answer(tmp_path):
     """``--stop-at-eos`` on the embedded demo target (a real chat model, which ends its answers):
-    the acceptance suite of two ``--categories`` in float32 (``--dtype``), greedy, and at least one reply
+    the acceptance suite of two ``--categories`` in float32 (``--dtype``), and at least one reply
     ends before --max-tokens, which ignore_eos (the default, every reply exactly --max-tokens)
     never does. Prompt lookup's greedy replies are the target's own, as the report says."""
     out, max_tokens = tmp_path / "out", 192
     cmd = [sys.executable, "-m", "bench", "acceptance", "--stop-at-eos", "--out", str(out), "--methods", "none,ngram",
            "--categories", "chat,math", "--prompts-per-category", "1", "--max-tokens", str(max_tokens),
-           "--dtype", "float32", "--temperatures", "0"]
+           "--dtype", "float32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["ignore_eos"] is False and results["config"]["categories"] == ["chat", "math"]
     rows = {(r["method"], r["category"], r["temperature"]): r for r in results["runs"]}
-    assert sorted(rows) == sorted((m, c, 0.0) for m in ("none", "ngram") for c in ("chat", "math"))
+    assert sorted(rows) == sorted((m, c, t) for m in ("none", "ngram") for c in ("chat", "math") for t in (0.0, 1.0))
     assert {r["dtype"] for r in rows.values()} == {"float32"}
     assert 0 < min(r["output_tokens"] for r in rows.values()) < max_tokens
     assert [rows["ngram", c, 0.0]["same_replies"] for c in ("chat", "math")] == [1, 1]
