@@ -22,7 +22,7 @@ from tqdm import tqdm
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD
 
-from . import draft_cost
+from . import draft_cost, schedule
 from .arguments import numbers
 from .offline import CATEGORIES, OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
 from .report import plots, render
@@ -73,13 +73,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         epilog="example (GPU):\n  python -m bench all --target meta-llama/Llama-3.1-8B-Instruct "
         "--eagle3 DRAFT_E3 --edsd DRAFT_EDSD --out results/",
     )
-    parser.add_argument("suite", choices=(*SUITES, "all", *DIAGNOSTICS))
+    parser.add_argument("suite", choices=(*SUITES, "all", *DIAGNOSTICS, schedule.SUITE),
+                        help="schedule: the K-by-batch-size table for one drafter (its own options: "
+                             "python -m bench schedule --help)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--target", help="target model (default: the embedded demo target)")
     parser.add_argument("--edsd", help="EDSD drafter, vLLM layout (default: the demo's)")
     parser.add_argument("--eagle3", help="EAGLE-3 drafter (default: the demo's)")
     parser.add_argument("--methods", default=None,
-                        help="comma-separated: none, ngram (vLLM's prompt lookup, no drafter), eagle3, edsd, "
+                        help="comma-separated: none, ngram (vLLM's prompt lookup, no drafter), suffix (vLLM's suffix "
+                             "decoding, needs arctic-inference), eagle3, edsd, "
                              "and EDSD served as edsd-adaptive "
                              "(entropy-adaptive draft length), edsd-batch-table (vLLM's K-by-batch-size table) "
                              "or edsd+lookup (prompt lookup beside the drafter) "
@@ -144,10 +147,14 @@ def build_setup(args: argparse.Namespace) -> Setup:
     if unknown:
         raise EDSDError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     methods = [m for m in requested if m == "none" or m in TRAINING_FREE or drafter_method(m) in drafters]
+    if "suffix" in methods and importlib.util.find_spec("arctic_inference") is None:
+        methods.remove("suffix")
+        print("skipping suffix: vLLM's suffix decoding needs the arctic-inference package "
+              "(pip install arctic-inference)", file=sys.stderr)
     if "edsd-batch-table" in methods and not batch_table_supported():
         methods.remove("edsd-batch-table")
         print("skipping edsd-batch-table: this vLLM has no num_speculative_tokens_per_batch_size", file=sys.stderr)
-    skipped = sorted(set(requested) - set(methods) - {"edsd-batch-table"})
+    skipped = sorted(set(requested) - set(methods) - {"edsd-batch-table", "suffix"})
     if skipped:
         print(f"skipping {', '.join(skipped)}: no drafter given", file=sys.stderr)
     if not 0 < args.adaptive_threshold < 1:
@@ -245,6 +252,9 @@ def write_results(out: Path, setup: Setup, args: argparse.Namespace, command: li
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [schedule.SUITE]:  # its own options: python -m bench schedule --help
+        return schedule.main(argv[1:])
     args = parse(argv)
     suites = SUITES if args.suite == "all" else (args.suite,)
     try:
@@ -271,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed.setdefault(suite, f"{label}: {reason}")
             print(f"bench: error: {label} failed ({reason}); the rest goes on", file=sys.stderr)
         # After every step, so that a later failure or an interrupt loses nothing measured.
-        results = write_results(out, setup, args, sys.argv[1:] if argv is None else argv, with_derived(runs), failed)
+        results = write_results(out, setup, args, argv, with_derived(runs), failed)
     print(render(results))
     print(f"wrote {out / 'results.json'}, {out / 'report.md'} and the plots")
     if failed:

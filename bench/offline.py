@@ -42,9 +42,10 @@ VARIANTS = {
 }
 
 
-# Methods that need no drafter: vLLM's prompt lookup, the baseline a user tries before training
-# anything.
-TRAINING_FREE = {"ngram": NGRAM_LENGTHS}
+# Methods that need no drafter, the baselines a user tries before training anything: vLLM's
+# prompt lookup, and its suffix decoding (ArcticInference's suffix trees over the prompt and
+# earlier replies; needs the arctic-inference package).
+TRAINING_FREE = {"ngram": NGRAM_LENGTHS, "suffix": {}}
 
 
 def drafter_method(method: str) -> str:

@@ -126,6 +126,32 @@ def test_draft_length_variants_side_by_side(models, tmp_path):
     assert "| edsd-adaptive | 4 | 1 | 8 |" in (out / "report.md").read_text()
 
 
+def test_schedule_is_measured_then_served(models, tmp_path):
+    """``bench schedule`` times none, K=0 (vLLM's table of one range with K 0) and each static
+    K, writes a table vLLM accepts, and times an engine serving it: at K=0 nothing is drafted,
+    at static K every draft is K long, and the served table drafts its own K at batch 1."""
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench", "schedule", "--quick", "--max-k", "1", "--out", str(out),
+           "--target", models["llama"], "--drafter", models["llama-edsd"]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    schedule = json.loads((out / "schedule.json").read_text())
+    ranges = schedule["num_speculative_tokens_per_batch_size"]
+    validate_and_normalize_dynamic_sd_schedule(ranges)
+    results = json.loads((out / "results.json").read_text())
+    assert results["schedule"] == schedule
+    rows = {(r["engine"], r["batch_size"]): r for r in results["runs"]}
+    assert set(rows) == {(e, b) for e in ("none", 0, 1, "schedule") for b in (1, 4)}
+    for b in (1, 4):
+        assert rows["none", b]["draft_tokens"] == rows[0, b]["draft_tokens"] == 0
+        assert rows[1, b]["mean_draft_length"] == 1
+    k_at_1 = ranges[0][2]
+    assert rows["schedule", 1]["mean_draft_length"] == k_at_1
+    assert f"`{json.dumps(schedule)}`" in (out / "report.md").read_text()
+
+
 def test_stop_at_eos_ends_replies_where_the_model_ends_its_answer(tmp_path):
     """``--stop-at-eos`` on the embedded demo target (a real chat model, which ends its answers):
     the acceptance suite of two ``--categories`` in float32 (``--dtype``), and at least one reply
