@@ -84,8 +84,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="comma-separated: none, ngram (vLLM's prompt lookup, no drafter), suffix (vLLM's suffix "
                              "decoding, needs arctic-inference), eagle3, edsd, "
                              "and EDSD served as edsd-adaptive "
-                             "(entropy-adaptive draft length), edsd-batch-table (vLLM's K-by-batch-size table) "
-                             "or edsd+lookup (prompt lookup beside the drafter) "
+                             "(entropy-adaptive draft length), edsd-batch-table (vLLM's K-by-batch-size table), "
+                             "edsd+lookup (prompt lookup beside the drafter) or edsd-adaptive+lookup (both) "
                              f"(default {DEFAULT_METHODS}; draft-cost: {','.join(draft_cost.METHODS)}, all it takes)")
     parser.add_argument("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
                         help=f"edsd-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")

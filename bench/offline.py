@@ -26,7 +26,8 @@ NGRAM_LENGTHS = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # method, speculative-config fields). ``edsd-batch-table`` is vLLM's own K-by-batch-size table
 # (``num_speculative_tokens_per_batch_size``), set from the static K figures of this CPU: K up
 # to batch 4, K/2 to 16, 1 above. ``edsd+lookup`` drafts by prompt lookup where it matches and
-# by the EDSD drafter elsewhere (docs/serving.md, "Prompt lookup beside the drafter").
+# by the EDSD drafter elsewhere (docs/serving.md, "Prompt lookup beside the drafter");
+# ``edsd-adaptive+lookup`` cuts the drafter's drafts by its entropy there too.
 VARIANTS = {
     "edsd-adaptive": (
         "edsd",
@@ -39,6 +40,10 @@ VARIANTS = {
         },
     ),
     "edsd+lookup": ("edsd", lambda k, threshold: dict(NGRAM_LENGTHS)),
+    "edsd-adaptive+lookup": (
+        "edsd",
+        lambda k, threshold: {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold, **NGRAM_LENGTHS},
+    ),
 }
 
 
@@ -142,12 +147,14 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
     # when a seeded request's prefill is split across steps at temperature > 0 ("CPU Generator
     # does not use offset", seen in a 64-request batch at T=1).
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    sources_before = draft_sources(llm)
     before, replies, start = spec_counters(llm), [], time.perf_counter()
     groups = [[c] for c in conversations] if one_at_a_time else [conversations]
     for group in groups:
         replies += [o.outputs[0].token_ids for o in llm.chat(group, params, use_tqdm=False)]
     elapsed = time.perf_counter() - start
     counters = spec_counters(llm) - before
+    sources = draft_sources(llm)
     tokens = sum(len(reply) for reply in replies)
     return {
         "dtype": engine_dtype(llm),
@@ -161,7 +168,22 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
         "drafts": counters.drafts,
         "draft_tokens": counters.draft_tokens,
         "mean_draft_length": counters.mean_draft_length,
+        # Draft tokens verified and accepted per source (lookup, drafter): None without a prompt lookup.
+        "draft_sources": None if sources is None else {
+            source: {key: sources[source][key] - sources_before[source][key] for key in counts}
+            for source, counts in sources.items()},
     }
+
+
+def draft_sources(llm) -> dict[str, dict[str, int]] | None:
+    """The prompt lookup's counts per source, summed over the workers (None: no lookup)."""
+    from vllm_edsd.serving.lookup import draft_source_counts
+
+    workers = [counts for counts in llm.collective_rpc(draft_source_counts) if counts]
+    if not workers:
+        return None
+    return {source: {key: sum(w[source][key] for w in workers) for key in workers[0][source]}
+            for source in workers[0]}
 
 
 OFFLINE_SUITES = ("acceptance", "throughput", "robustness", "mixed")

@@ -87,11 +87,25 @@ TOKENS_PER_S: Column = ("tok/s", lambda r: _fmt(r["output_tokens_per_s"], ".1f")
 SPEEDUP: Column = ("speed-up", lambda r: _fmt(r["speedup"]))
 SAME_REPLIES: Column = ("same replies", _same_replies)
 
+
+def _lookup_share(row: dict) -> str:
+    """Where a prompt lookup drafts beside the drafter: its draft tokens accepted of drafted,
+    and its share of all draft tokens."""
+    sources = row.get("draft_sources")
+    if not sources:
+        return "–"
+    lookup, total = sources["lookup"], sum(s["draft_tokens"] for s in sources.values())
+    rate = f" ({lookup['accepted'] / lookup['draft_tokens']:.0%})" if lookup["draft_tokens"] else ""
+    share = f", {lookup['draft_tokens'] / total:.0%} of drafts" if total else ""
+    return f"{lookup['accepted']}/{lookup['draft_tokens']}{rate}{share}"
+
+
+LOOKUP: Column = ("lookup accepted/drafted", _lookup_share)
 ACCEPTANCE = (METHOD, K, T, ("category", lambda r: r["category"]), DTYPE, TAU, TAU_SEQUENCE,
               ("acceptance per position", lambda r: " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])),
-              DRAFT_LENGTH, TOKENS_PER_S, SPEEDUP, SAME_REPLIES)
+              DRAFT_LENGTH, TOKENS_PER_S, SPEEDUP, SAME_REPLIES, LOOKUP)
 THROUGHPUT = (METHOD, K, T, ("batch", lambda r: str(r["batch_size"])), DTYPE, TOKENS_PER_S, SPEEDUP, TAU,
-              TAU_SEQUENCE, DRAFT_LENGTH, SAME_REPLIES)
+              TAU_SEQUENCE, DRAFT_LENGTH, SAME_REPLIES, LOOKUP)
 
 
 def _seconds(header: str, key: str, spec: str = ".2f") -> Column:

@@ -275,3 +275,14 @@ def test_cold_starts_quote_each_ignored_exception_with_its_reason():
     assert ignored_exceptions(output) == ["Exception ignored in: <function CPUDNNLGEMMHandler.__del__ at 0x7f> "
                                           "RuntimeError: Tensor.item() cannot be called on meta tensors"]
     assert ignored_exceptions("(Worker pid=7) INFO nothing ignored") == []
+
+
+def test_the_lookup_column_says_what_the_lookup_drafted_and_how_much_held():
+    from bench.report import _lookup_share
+
+    row = {"draft_sources": {"lookup": {"draft_tokens": 200, "accepted": 90},
+                             "drafter": {"draft_tokens": 600, "accepted": 150}}}
+    assert _lookup_share(row) == "90/200 (45%), 25% of drafts"
+    assert _lookup_share({"draft_sources": None}) == _lookup_share({}) == "–"
+    nothing = {"lookup": {"draft_tokens": 0, "accepted": 0}, "drafter": {"draft_tokens": 0, "accepted": 0}}
+    assert _lookup_share({"draft_sources": nothing}) == "0/0"
