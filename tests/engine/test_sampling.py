@@ -59,7 +59,7 @@ RECORDED = "recorded"
 
 def sampling_job(trained: dict, spec: dict | None) -> dict:
     """SAMPLES continuations of one prompt at temperature 1; for EDSD also a recorded phase."""
-    phases = [{"name": "sampled", "prompts": [trained["prompts"][0]] * SAMPLES,
+    phases = [{"name": "sampled", "prompts": [trained["prompts"][0]] * SAMPLES, "draft_sources": True,
                "sampling": {"temperature": 1.0, "max_tokens": CONTINUATION, "ignore_eos": True}}]
     if spec is not None and spec["method"] == "edsd":
         phases.append({"name": RECORDED, "prompts": trained["prompts"], "record_proposals": True,
@@ -78,8 +78,15 @@ def sampled(trained, engine_runs):
     return run
 
 
+# Prompt lookup beside EDSD, matching n-grams from one token: the chat prompt's template repeats
+# tokens, so the lookup drafts on a good share of the steps (checked below).
+LOOKUP_KEYS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
 def speculative(method: str, model: str) -> dict:
-    return {"method": method, "model": model, "num_speculative_tokens": K, "draft_sample_method": "probabilistic"}
+    base, lookup = method.removesuffix("+lookup"), method.endswith("+lookup")
+    return {"method": base, "model": model, "num_speculative_tokens": K, "draft_sample_method": "probabilistic",
+            **(LOOKUP_KEYS if lookup else {})}
 
 
 def continuations(phase: dict) -> Counter:
@@ -87,13 +94,19 @@ def continuations(phase: dict) -> Counter:
     return Counter(tuple(out) for out in phase["outputs"])
 
 
-@pytest.mark.parametrize("method", ["edsd", "eagle3", "draft_model"])
+@pytest.mark.parametrize("method", ["edsd", "eagle3", "draft_model", "edsd+lookup"])
 def test_sampled_output_follows_the_target_distribution(trained, sampled, method):
     """SAMPLES three-token continuations at T=1 with sampled drafts against the same without
-    speculation: Pearson's chi-square homogeneity test must not reject at P_VALUE_FLOOR."""
-    model = {"edsd": trained["edsd"], "eagle3": trained["eagle3"], "draft_model": trained["target"]}[method]
+    speculation: Pearson's chi-square homogeneity test must not reject at P_VALUE_FLOOR. With
+    the prompt lookup, its one-hot drafts must make up part of what was verified."""
+    model = {"edsd": trained["edsd"], "eagle3": trained["eagle3"], "draft_model": trained["target"],
+             "edsd+lookup": trained["edsd"]}[method]
     plain = continuations(sampled("t1-none", None)["sampled"])
-    speculated = continuations(sampled(f"t1-{method}", speculative(method, model))["sampled"])
+    phase = sampled(f"t1-{method}", speculative(method, model))["sampled"]
+    speculated = continuations(phase)
+    if method.endswith("+lookup"):
+        lookup = phase["draft_sources"]["lookup"]
+        assert lookup["draft_tokens"] > 0.1 * phase["counters"]["draft_tokens"], phase["draft_sources"]
     statistic, dof, p_value = chi_square_homogeneity(plain, speculated)
     assert len(plain) > 5, "the prompt's continuations must vary for the test to mean anything"
     assert p_value > P_VALUE_FLOOR, (
