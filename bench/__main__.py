@@ -13,7 +13,6 @@ import functools
 import importlib.util
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD
 
 from . import draft_cost, schedule
 from .arguments import numbers
+from .machine import machine
 from .offline import CATEGORIES, OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
 from .report import plots, render
 
@@ -39,30 +39,6 @@ def missing_packages(suites: tuple[str, ...]) -> list[str]:
     imported: importing locust would monkey-patch this process)."""
     needed = NEEDS | (LATENCY_NEEDS if "latency" in suites else {})
     return sorted(package for module, package in needed.items() if importlib.util.find_spec(module) is None)
-
-
-def machine() -> dict:
-    import torch
-    import vllm
-
-    import vllm_edsd
-    from vllm_edsd.launch.engine import cpu_instruction_set
-    from vllm_edsd.launch.server import default_dtype
-
-    accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
-    processor = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                processor = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"processor": processor, "cpu_instruction_set": cpu_instruction_set(), "cores": os.cpu_count(),
-            "accelerator": accelerator, "default_dtype": default_dtype(),
-            "load_average": [round(load, 2) for load in os.getloadavg()],  # other jobs on the machine
-            "vllm": vllm.__version__, "torch": torch.__version__, "vllm_edsd": vllm_edsd.__version__,
-            "python": platform.python_version()}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

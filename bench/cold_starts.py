@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_edsd.demo import demo_paths
     from vllm_edsd.serving.plugin import DISABLE_ENV
 
-    from .__main__ import machine
+    from .machine import machine
 
     if args.target is None or args.drafter is None:
         try:

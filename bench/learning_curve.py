@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from vllm_edsd.pipeline.stages import run_pipeline
 
-    from .__main__ import machine
+    from .machine import machine
 
     out = Path(args.out)
     try:

@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
     except EDSDError as exc:
         print(f"bench schedule: error: {exc}", file=sys.stderr)
         return 2
-    from .__main__ import machine
+    from .machine import machine
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

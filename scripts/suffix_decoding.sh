@@ -10,7 +10,7 @@ SITE=${SITE:-$HOME/.cache/vllm-edsd/arctic-site}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 command -v cmake >/dev/null && command -v g++ >/dev/null || { echo "needs cmake and g++" >&2; exit 2; }
-.venv/bin/pip download --no-deps --no-binary :all: arctic-inference==0.3.0 -d "$WORK" -q
+.venv/bin/pip download --no-deps arctic-inference==0.3.0 -d "$WORK" -q  # the sdist, not built
 tar xzf "$WORK"/arctic_inference-0.3.0.tar.gz -C "$WORK"
 SRC=$WORK/arctic_inference-0.3.0
 BASE=$(.venv/bin/python -c "import sys; print(sys.base_prefix)")/bin/python3

@@ -1,0 +1,31 @@
+"""The machine block every results file carries: processor, instruction set, cores, load,
+and the versions of vLLM, torch and this package."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def machine() -> dict:
+    import torch
+    import vllm
+
+    import vllm_edsd
+    from vllm_edsd.launch.engine import cpu_instruction_set
+    from vllm_edsd.launch.server import default_dtype
+
+    accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
+    processor = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                processor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"processor": processor, "cpu_instruction_set": cpu_instruction_set(), "cores": os.cpu_count(),
+            "accelerator": accelerator, "default_dtype": default_dtype(),
+            "load_average": [round(load, 2) for load in os.getloadavg()],  # other jobs on the machine
+            "vllm": vllm.__version__, "torch": torch.__version__, "vllm_edsd": vllm_edsd.__version__,
+            "python": platform.python_version()}
