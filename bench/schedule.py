@@ -103,7 +103,7 @@ def _cell(tok_s: float | None, base: float | None) -> str:
 
 
 def render(results: dict) -> str:
-    """The report: tok/s per batch size (rows) and engine (columns), the best K, the schedule."""
+    """The report: tok/s per batch size (rows) and engine (columns), then the table chosen."""
     runs, machine = results["runs"], results["machine"]
     labels = list(dict.fromkeys(r["engine"] for r in runs))
     cell = {(r["engine"], r["batch_size"]): r["output_tokens_per_s"] for r in runs}
