@@ -24,6 +24,7 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import llm_session, speculative_config
 
 from .arguments import numbers
+from .draft_cost import DTYPES
 from .offline import CATEGORIES, generate, load_prompts
 
 DEFAULT_BATCH_SIZES = "1,4,16,64"
@@ -137,7 +138,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
     parser.add_argument("--max-batch", type=int, default=256,
                         help="the schedule's last range ends here (default 256, vLLM's max_num_seqs on a GPU)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="the engines' dtype (default: bfloat16 where the CPU computes it natively, else float32)")
     parser.add_argument("--quick", action="store_true", help="batch sizes 1,4, K up to 2, 16 tokens (CI)")
     args = parser.parse_args(argv)
