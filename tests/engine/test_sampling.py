@@ -59,7 +59,8 @@ RECORDED = "recorded"
 
 def sampling_job(trained: dict, spec: dict | None) -> dict:
     """SAMPLES continuations of one prompt at temperature 1; for EDSD also a recorded phase."""
-    phases = [{"name": "sampled", "prompts": [trained["prompts"][0]] * SAMPLES, "draft_sources": True,
+    counted = spec is not None and LOOKUP_KEYS.keys() <= spec.keys()  # the lookup's counts per source
+    phases = [{"name": "sampled", "prompts": [trained["prompts"][0]] * SAMPLES, "draft_sources": counted,
                "sampling": {"temperature": 1.0, "max_tokens": CONTINUATION, "ignore_eos": True}}]
     if spec is not None and spec["method"] == "edsd":
         phases.append({"name": RECORDED, "prompts": trained["prompts"], "record_proposals": True,
