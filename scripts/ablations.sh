@@ -19,14 +19,14 @@ ROWS=(
   "eagle3|$COSINE"                            # EAGLE-3 with the same optimizer
   "edsd|--layers 1,20"                        # the shipped recipe and layers
   "eagle3|"                                   # the shipped EAGLE-3 recipe
-  "edsd|"                                     # EDSelect's layers, the shipped optimizer
-  "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream
   "edsd|$COSINE --no-step-n"                  # every TTT step from the first epoch
   "edsd|$COSINE --ttt-steps 7"                # the paper's S_max = 7 over the epochs run: n_t = 1, 4, 7
-  "edsd|$COSINE --layers 15,27"               # EAGLE-3's middle and top layers, EDSD's fusion
+  "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream
   "edsd|$COSINE --fuse-intermediate-size 576" # EDFuse at the target's width (the paper's no-extra-parameters one)
+  "edsd|$COSINE --layers 15,27"               # EAGLE-3's middle and top layers, EDSD's fusion
   "edsd|--lr 5e-4 $COSINE"
   "eagle3|--lr 5e-4 $COSINE"
+  "edsd|"                                     # EDSelect's layers, the shipped optimizer
 )
 count=${1:-${#ROWS[@]}}
 for row in "${ROWS[@]:0:$count}"; do
