@@ -58,6 +58,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
              "and EAGLE-3's: every ablation's --layers among them lets all rows share one extraction")
     add("--train-extra", default="", help="more `edsd train` arguments for every point, an ablation "
                                          "(e.g. --train-extra='--feature-noise 0.2'); its runs are kept apart")
+    add("--remeasure", action="store_true",
+        help="measure again the points that --out's results.json already holds (default: keep them)")
     return parser.parse_args(argv)
 
 
@@ -244,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         for size in tqdm(sizes, desc="sizes", unit="size"):
             for method in methods:
+                key = {"method": method, "variant": args.train_extra, "conversations": size}
+                if not args.remeasure and any(same_point(r, key) for r in results["points"]):
+                    print(f"kept: {method} {args.train_extra} at {size} conversations, measured in {out}")
+                    continue
                 new = point(plan, method, size, args, feature_layers)
                 results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
                 (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #40's ablations at 2,048 conversations (docs/paper.md, "Ablations at 2,048 conversations"):
 # one learning-curve point per row, same data, order, seeds and optimizer steps. Hours on a CPU.
-# Every stage resumes where it stopped: rerun the script. Rows already measured are reused.
+# Every stage resumes where it stopped: rerun the script. Rows already in results.json are kept.
 #   bash scripts/ablations.sh            all rows
 #   bash scripts/ablations.sh 2          the first two rows only
 set -euo pipefail
