@@ -1,6 +1,7 @@
 """``python -m bench SUITE --out DIR``: acceptance, throughput, latency, robustness, mixed, or all
 of them; or draft-cost (not in all): the target forward and the draft of each decode step, from
-vLLM's own profiler, per method, compilation mode (--modes) and dtype (--dtypes).
+vLLM's own profiler, per method, compilation mode (--modes) and dtype (--dtypes). ``schedule``
+and ``serve`` take their own options (``python -m bench serve --help``).
 
 Writes DIR/results.json (one object per measurement in ``runs`` plus a ``machine`` block),
 DIR/report.md and PNG plots. ``--quick`` shrinks every suite to minutes on a CPU.
@@ -21,8 +22,8 @@ from tqdm import tqdm
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD
 
-from . import draft_cost, schedule
-from .arguments import numbers
+from . import draft_cost, schedule, vllm_serve
+from .arguments import models_or_demo, numbers
 from .machine import machine
 from .offline import CATEGORIES, OFFLINE_SUITES, TRAINING_FREE, VARIANTS, Setup, drafter_method, offline, with_derived
 from .report import plots, render
@@ -49,9 +50,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         epilog="example (GPU):\n  python -m bench all --target meta-llama/Llama-3.1-8B-Instruct "
         "--eagle3 DRAFT_E3 --edsd DRAFT_EDSD --out results/",
     )
-    parser.add_argument("suite", choices=(*SUITES, "all", *DIAGNOSTICS, schedule.SUITE),
-                        help="schedule: the K-by-batch-size table for one drafter (its own options: "
-                             "python -m bench schedule --help)")
+    parser.add_argument("suite", choices=(*SUITES, "all", *DIAGNOSTICS, schedule.SUITE, vllm_serve.SUITE),
+                        help="schedule: the K-by-batch-size table for one drafter; serve: vLLM's own client against "
+                             "servers at their defaults (each has its own options: python -m bench schedule --help)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--target", help="target model (default: the embedded demo target)")
     parser.add_argument("--edsd", help="EDSD drafter, vLLM layout (default: the demo's)")
@@ -104,18 +105,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_setup(args: argparse.Namespace) -> Setup:
-    drafters = {m: p for m, p in (("edsd", args.edsd), ("eagle3", args.eagle3)) if p}
-    target = args.target
-    if target is None:
-        from vllm_edsd.demo import demo_paths
-
-        try:
-            paths = demo_paths()
-        except EDSDError as exc:
-            raise EDSDError(f"no demo models in this installation ({exc}); "
-                            "pass --target (and --edsd/--eagle3)") from exc
-        target = paths["target"]
-        drafters = {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters
+    target, drafters = models_or_demo(
+        args.target, {m: p for m, p in (("edsd", args.edsd), ("eagle3", args.eagle3)) if p})
     requested = (args.methods or (",".join(draft_cost.METHODS) if args.suite == draft_cost.SUITE
                                   else DEFAULT_METHODS)).split(",")
     known = ("none", *TRAINING_FREE, "eagle3", "edsd", *VARIANTS)
@@ -234,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if argv[:1] == [schedule.SUITE]:  # its own options: python -m bench schedule --help
         return schedule.main(argv[1:])
+    if argv[:1] == [vllm_serve.SUITE]:
+        return vllm_serve.main(argv[1:])
     args = parse(argv)
     suites = SUITES if args.suite == "all" else (args.suite,)
     try:

@@ -1,5 +1,6 @@
-"""Comma-separated number lists on the bench's command lines (``--k 1,2,4``, ``--sizes``...),
-parsed alike in every script so that a bad value is the same one line everywhere."""
+"""What every bench script reads alike from its command line: comma-separated number lists
+(``--k 1,2,4``, ``--sizes``...) and the models, the embedded demo's where none is given, so that a
+bad value is the same one line everywhere."""
 
 from __future__ import annotations
 
@@ -20,3 +21,17 @@ def numbers(flag: str, text: str, kind: type, least: float, above: bool = False)
             raise EDSDError(f"{flag} takes comma-separated {kind.__name__}s, each {bound}; got {item!r} in {text!r}")
         values.append(value)
     return values
+
+
+def models_or_demo(target: str | None, drafters: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The target and drafters given, the embedded demo's filling in where no target is given
+    (a drafter given wins over the demo's)."""
+    if target is not None:
+        return target, drafters
+    from vllm_edsd.demo import demo_paths
+
+    try:
+        paths = demo_paths()
+    except EDSDError as exc:
+        raise EDSDError(f"no demo models in this installation ({exc}); pass --target and a drafter") from exc
+    return paths["target"], {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters

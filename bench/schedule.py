@@ -23,7 +23,7 @@ from tqdm import tqdm
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import llm_session, speculative_config
 
-from .arguments import numbers
+from .arguments import models_or_demo, numbers
 from .draft_cost import DTYPES
 from .offline import CATEGORIES, generate, load_prompts
 
@@ -153,13 +153,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def resolve_models(args: argparse.Namespace) -> None:
     """The demo's target and drafter where none is given."""
-    if args.target and args.drafter:
-        return
-    from vllm_edsd.demo import demo_paths
-
-    paths = demo_paths()
-    args.target = args.target or paths["target"]
-    args.drafter = args.drafter or paths[args.method]
+    args.target, drafters = models_or_demo(args.target, {args.method: args.drafter} if args.drafter else {})
+    if args.method not in drafters:
+        raise EDSDError(f"no {args.method} drafter: pass --drafter")
+    args.drafter = drafters[args.method]
 
 
 def main(argv: list[str]) -> int:

@@ -140,10 +140,7 @@ def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) ->
 
 
 def _measure_server(name: str, target: str, spec: dict | None, max_tokens: int) -> dict:
-    import requests
-
-    from vllm_edsd.launch.engine import parse_prometheus_counters
-    from vllm_edsd.launch.server import running_server
+    from vllm_edsd.launch.server import running_server, served_spec_counters
 
     with contextlib.ExitStack() as stack:
         with heartbeat(f"{name}: starting vLLM's server", expect=ENGINE_START):
@@ -151,11 +148,11 @@ def _measure_server(name: str, target: str, spec: dict | None, max_tokens: int) 
                 running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE]))
             _chat_server(base, "Hello!", 8)  # warm-up
         with heartbeat(f"{name}: {len(DEMO_PROMPTS)} prompts, one at a time"):
-            before = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
+            before = served_spec_counters(base)
             start = time.time()
             replies = [_chat_server(base, prompt, max_tokens) for _, prompt in DEMO_PROMPTS]
             elapsed = time.time() - start
-            counters = parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text) - before
+            counters = served_spec_counters(base) - before
             margins = ([_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS]
                        if spec is None else None)
     return _result(replies, elapsed, counters, margins)

@@ -27,10 +27,12 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import (
     CPU_MEMORY_FRACTION,
     ENGINE_START_FAILED,
+    SpecCounters,
     cpu_dtype,
     cpu_max_model_len,
     cpu_memory_settings,
     on_cpu,
+    parse_prometheus_counters,
     use_cpu_workarounds,
 )
 
@@ -165,6 +167,13 @@ def post_json(url: str, body: dict, timeout_s: float = 600) -> dict:
         raise EDSDError(f"the server refused the request (HTTP {response.status_code}): "
                         f"{message or response.text.strip()[:500] or response.reason}")
     return reply
+
+
+def served_spec_counters(base: str) -> SpecCounters:
+    """The spec-decode counters on a server's ``/metrics`` page, so far."""
+    import requests
+
+    return parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
 
 
 INTERRUPTED_GRACE_S = 5

@@ -1,0 +1,202 @@
+"""``python -m bench serve``: vLLM's own client, ``vllm bench serve``, against servers started
+as a user starts them: the server's default sampling (no temperature sent: the target's
+generation config, else T=1), one request at a time, ShareGPT prompts the shipped drafters
+never saw.
+
+For every ``--dtypes`` entry it starts the server without speculation, then once per
+``--speculative-config``, runs ``vllm bench serve`` (openai-chat) against each, and reads the
+spec-decode counters from ``/metrics``. ``auto`` is the server's default dtype (vLLM resolves it
+from the target's config; the plugin may choose otherwise and logs why). DIR/results.json,
+DIR/report.md, and each server's log and ``vllm bench serve`` result file.
+
+The prompts: the shipped drafters trained on the first user turn of every usable ShareGPT
+conversation of the PyPI wheel, so the held-out prompts are later user turns (each with the
+assistant turn after it, which ``vllm bench serve`` reads as the reference answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vllm_edsd.errors import EDSDError
+
+from .arguments import models_or_demo
+
+SUITE = "serve"
+NONE = "none"
+DTYPES = ("auto", "float32", "bfloat16")
+MIN_TURN_CHARS = 64  # shorter later turns are mostly "continue" or "thanks"
+
+
+def held_out_sharegpt(count: int, seed: int = 0) -> list[dict]:
+    """``count`` ShareGPT records in the format ``vllm bench serve`` reads (a human turn, then the
+    assistant's), each a user turn after a conversation's first, unlike every first user turn."""
+    from vllm_edsd.data import load_sharegpt
+
+    conversations = load_sharegpt(None, seed)
+    first_turns = {next((m["content"].strip() for m in c if m["role"] == "user"), "") for c in conversations}
+    records: list[dict] = []
+    for conversation in conversations:
+        later = [(a, b) for a, b in zip(conversation[1:], conversation[2:])
+                 if a["role"] == "user" and b["role"] == "assistant" and b["content"].strip()]
+        for user, assistant in later:
+            text = user["content"].strip()
+            if len(text) >= MIN_TURN_CHARS and text not in first_turns:
+                records.append({"id": f"held-out-{len(records)}", "conversations": [
+                    {"from": "human", "value": text}, {"from": "gpt", "value": assistant["content"]}]})
+                break  # one turn per conversation
+        if len(records) == count:
+            return records
+    raise EDSDError(f"ShareGPT holds {len(records)} later user turns of at least {MIN_TURN_CHARS} characters; "
+                    f"{count} requested")
+
+
+def client_command(base: str, target: str, dataset: Path, args: argparse.Namespace, result: Path) -> list[str]:
+    """``vllm bench serve`` as a user runs it: openai-chat, the server's sampling, one request at a time."""
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+            "--backend", "openai-chat", "--base-url", base, "--endpoint", "/v1/chat/completions",
+            "--model", target, "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+            "--num-prompts", str(args.num_prompts), "--sharegpt-output-len", str(args.output_len),
+            "--max-concurrency", "1", "--seed", str(args.seed), "--disable-tqdm",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+
+
+def measure(args: argparse.Namespace, dataset: Path, label: str, spec: dict | None, dtype: str) -> dict:
+    """One server: start it, run the client, read its counters, stop it."""
+    from vllm_edsd.launch.server import running_server, served_spec_counters
+
+    out = Path(args.out)
+    name = f"{label}-{dtype}"
+    with running_server(args.target, spec, extra_args=["--dtype", dtype], log_path=out / f"server-{name}.log") as base:
+        before = served_spec_counters(base)
+        result = out / f"client-{name}.json"
+        client = subprocess.run(client_command(base, args.target, dataset, args, result),
+                                capture_output=True, text=True)
+        if client.returncode != 0:
+            raise EDSDError(f"vllm bench serve failed against {name}: {client.stderr.strip()[-500:]}")
+        counters = served_spec_counters(base) - before
+    served_dtype = _served_dtype(out / f"server-{name}.log")
+    measured = json.loads(result.read_text())
+    return {"label": label, "speculative_config": spec, "dtype": dtype, "served_dtype": served_dtype,
+            **{key: measured.get(key) for key in ("completed", "total_output_tokens", "duration",
+                                                   "output_throughput", "mean_tpot_ms", "mean_ttft_ms")},
+            "counters": counters.as_dict()}
+
+
+def _served_dtype(log: Path) -> str | None:
+    """The dtype vLLM's start-up line says the model was served in."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "dtype=torch." in line:
+            return line.split("dtype=torch.", 1)[1].split(",", 1)[0]
+    return None
+
+
+def render(results: dict) -> str:
+    """Output tok/s per server, against none at the same dtype and against none at the first."""
+    machine, rows = results["machine"], results["runs"]
+    default_none = next((r["output_throughput"] for r in rows if r["label"] == NONE), None)
+    lines = ["# `vllm bench serve` at the server's defaults", "",
+             f"Command: `{results['command']}`  ",
+             f"Machine: {machine['processor']} ({machine['cpu_instruction_set']}), {machine['cores']} cores, "
+             f"vLLM {machine['vllm']}.  ",
+             f"Client: `vllm bench serve`, openai-chat, {results['num_prompts']} held-out ShareGPT prompts, "
+             f"{results['output_len']} tokens each at most, one request at a time, the server's sampling.", "",
+             "| server | dtype asked (served) | output tok/s | against none, same dtype | against none, first dtype "
+             "| τ per draft | mean TPOT |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        same = next((o["output_throughput"] for o in rows if o["label"] == NONE and o["dtype"] == r["dtype"]), None)
+        tau = r["counters"].get("tau")
+        lines.append(f"| {r['label']} | {r['dtype']} ({r['served_dtype'] or '?'}) | {r['output_throughput']:.1f} | "
+                     f"{_ratio(r, same)} | {_ratio(r, default_none)} | {f'{tau:.2f}' if tau else '-'} | "
+                     f"{r['mean_tpot_ms']:.1f} ms |")
+    lines += ["", "Servers: " + "; ".join(f"{label} = `{json.dumps(spec)}`"
+                                         for label, spec in results["speculative_configs"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(row: dict, base: float | None) -> str:
+    return "-" if row["label"] == NONE or not base else f"{row['output_throughput'] / base:.2f}x"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--out", required=True, help="output directory")
+    add("--target", help="target model (default: the embedded demo target)")
+    add("--speculative-config", action="append", default=None, metavar="JSON",
+        help="a server to measure besides none, as vllm serve takes it; repeat for several (default: the demo's "
+             "EDSD drafter at K=4, the README's command)")
+    add("--dtypes", default="auto", help=f"server dtypes, comma-separated, from {', '.join(DTYPES)} (default auto)")
+    add("--num-prompts", type=int, default=24, help="held-out ShareGPT prompts (default 24)")
+    add("--output-len", type=int, default=128, help="tokens per reply at most (default 128)")
+    add("--seed", type=int, default=0, help="vllm bench serve's sampling seed (default 0)")
+    args = parser.parse_args(argv)
+    for flag in ("num_prompts", "output_len"):
+        if getattr(args, flag) < 1:
+            raise EDSDError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    args.dtypes = args.dtypes.split(",")
+    if bad := sorted(set(args.dtypes) - set(DTYPES)):
+        raise EDSDError(f"--dtypes: unknown {', '.join(bad)}; choose from {', '.join(DTYPES)}")
+    return args
+
+
+def speculative_configs(args: argparse.Namespace) -> dict[str, dict]:
+    """Each server's speculative config by label: the demo's EDSD at K=4 unless given."""
+    from vllm_edsd.launch.engine import speculative_config
+
+    args.target, drafters = models_or_demo(args.target, {})
+    if not args.speculative_config:
+        if "edsd" not in drafters:
+            raise EDSDError("no EDSD drafter to serve: pass --speculative-config")
+        return {"edsd K=4": speculative_config("edsd", drafters["edsd"], 4)}
+    configs = {}
+    for text in args.speculative_config:
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EDSDError(f"--speculative-config: not JSON ({exc.msg}): {text[:80]}") from None
+        if not isinstance(spec, dict) or "method" not in spec:
+            raise EDSDError(f"--speculative-config: a JSON object with a method, as vllm serve takes it: {text[:80]}")
+        extra = {k: v for k, v in spec.items() if k not in ("method", "model", "num_speculative_tokens")}
+        configs[" ".join([spec["method"], f"K={spec.get('num_speculative_tokens', '?')}",
+                          *(f"{k}={v}" for k, v in extra.items())])] = spec
+    return configs
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse(argv)
+        configs = speculative_configs(args)
+        records = held_out_sharegpt(args.num_prompts)
+    except EDSDError as exc:
+        print(f"bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    from .machine import machine
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dataset = out / "sharegpt-held-out.json"
+    dataset.write_text(json.dumps(records, indent=1) + "\n")
+    results = {"machine": machine(), "target": args.target, "num_prompts": args.num_prompts,
+               "output_len": args.output_len, "command": "python -m bench serve " + " ".join(argv),
+               "speculative_configs": configs, "runs": []}
+    servers = [(label, spec, dtype) for dtype in args.dtypes for label, spec in ((NONE, None), *configs.items())]
+    try:
+        for label, spec, dtype in tqdm(servers, desc="bench serve", unit="server"):
+            results["runs"].append(measure(args, dataset, label, spec, dtype))
+            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+            (out / "report.md").write_text(render(results))
+    except EDSDError as exc:  # a server that cannot start: what was measured stays in results.json
+        print(f"bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    print(render(results))
+    print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+    return 0
