@@ -13,7 +13,6 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -220,9 +219,6 @@ def write_results(out: Path, setup: Setup, args: argparse.Namespace, command: li
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # The prompt lookup's per-source counts come from the workers through collective_rpc with a
-    # function, which vLLM sends to an engine core in another process only by pickle.
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if argv[:1] == [schedule.SUITE]:  # its own options: python -m bench schedule --help
         return schedule.main(argv[1:])
     if argv[:1] == [vllm_serve.SUITE]:

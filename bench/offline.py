@@ -176,16 +176,13 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
 
 
 def draft_sources(llm) -> dict[str, dict[str, int]] | None:
-    """The prompt lookup's counts per source, summed over the workers (None: no lookup). They
-    are read through ``collective_rpc`` with a function, which vLLM pickles to an engine core in
-    its own process only where ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (``bench.__main__`` sets
-    it: the engines are this machine's own)."""
-    from vllm_edsd.serving.lookup import PromptLookup, draft_source_counts
+    """The prompt lookup's counts per source, summed over the workers (None: no lookup)."""
+    from vllm_edsd.serving.lookup import WORKER_METHOD, PromptLookup
 
     spec = llm.llm_engine.vllm_config.speculative_config
     if spec is None or spec.method == "ngram" or PromptLookup.of(spec) is None:
         return None
-    workers = [counts for counts in llm.collective_rpc(draft_source_counts) if counts]
+    workers = [counts for counts in llm.collective_rpc(WORKER_METHOD) if counts]
     if not workers:
         return None
     return {source: {key: sum(w[source][key] for w in workers) for key in workers[0][source]}

@@ -79,9 +79,9 @@ def _take_recorded(worker) -> tuple[list, list]:
 
 def draft_sources(llm) -> dict | None:
     """The prompt lookup's counts per draft source (lookup, drafter) on the first worker."""
-    from vllm_edsd.serving.lookup import draft_source_counts
+    from vllm_edsd.serving.lookup import WORKER_METHOD
 
-    return llm.collective_rpc(draft_source_counts)[0]
+    return llm.collective_rpc(WORKER_METHOD)[0]
 
 
 def difference(after: dict | None, before: dict | None) -> dict | None:

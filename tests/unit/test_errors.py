@@ -221,3 +221,15 @@ def test_cpu_servers_hold_the_context_their_kv_cache_fits():
     assert default[default.index("--max-model-len") + 1] == str(CPU_MAX_MODEL_LEN)
     chosen = server_command("TARGET", None, 8000, ["--max-model-len", "512"])
     assert chosen.count("--max-model-len") == 1 and chosen[chosen.index("--max-model-len") + 1] == "512"
+
+
+@pytest.mark.vllm_range
+def test_edsd_drafts_by_sampling_unless_the_user_says_otherwise(models):
+    """An ``"edsd"`` config without ``draft_sample_method`` gets "probabilistic"; a value given
+    is kept."""
+    def method(**extra):
+        config = engine_config(models["llama"], spec(models["llama-edsd"], **extra))
+        return config.speculative_config.draft_sample_method
+
+    assert method() == "probabilistic"
+    assert method(draft_sample_method="greedy") == "greedy"

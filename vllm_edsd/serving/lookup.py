@@ -271,8 +271,20 @@ def one_hot_rows(probs: torch.Tensor, matches: list[Match | None]) -> torch.Tens
     return probs
 
 
+WORKER_METHOD = "edsd_draft_source_counts"  # LLM.collective_rpc(WORKER_METHOD): every worker's counts
+
+
 def draft_source_counts(worker: Any) -> dict[str, dict[str, int]] | None:
-    """A worker's counts per source (``LLM.collective_rpc(draft_source_counts)``: one per
-    worker); None where the worker drafts without a prompt lookup."""
+    """A worker's counts per source, as its method ``WORKER_METHOD``; None where the worker
+    drafts without a prompt lookup."""
     limiter = limiter_of(getattr(worker.model_runner, "drafter", None))
     return None if limiter is None or limiter.lookup is None else limiter.lookup.counts.as_dict()
+
+
+def add_worker_method() -> None:
+    """``draft_source_counts`` as a method of vLLM's workers, so that ``collective_rpc`` calls it
+    by name: vLLM sends a function to an engine core in another process (its default) only by
+    pickle, which it allows only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    setattr(WorkerBase, WORKER_METHOD, draft_source_counts)

