@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -233,3 +235,26 @@ def test_edsd_drafts_by_sampling_unless_the_user_says_otherwise(models):
 
     assert method() == "probabilistic"
     assert method(draft_sample_method="greedy") == "greedy"
+
+
+ENGINE_CONFIG = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+target, spec, dtype = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+config = EngineArgs(model=target, speculative_config=spec, dtype=dtype, gpu_memory_utilization=0.25)
+print("served in", config.create_engine_config().model_config.dtype)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_16_bit_edsd_server_on_a_cpu_that_emulates_it_is_told_to_use_float32(models, dtype):
+    """One warning in vLLM's log (a process of its own: vLLM sets up its logging there), where
+    this CPU has no native bfloat16 and the engine computes in it; the dtype stays what was asked."""
+    from vllm_edsd.launch.engine import cpu_dtype
+
+    out = subprocess.run([sys.executable, "-c", ENGINE_CONFIG, str(models["llama"]),
+                          json.dumps(spec(models["llama-edsd"])), dtype], capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    assert f"served in torch.{dtype}" in log
+    assert log.count("by emulation") == (dtype == "bfloat16" and cpu_dtype() == "float32")
+    assert "by emulation" not in log or "serve with --dtype float32 here" in log

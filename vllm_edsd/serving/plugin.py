@@ -37,7 +37,7 @@ from vllm_edsd.checkpoint.files import tensor_shapes
 from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, detect_layout
 from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError, positive_int
-from vllm_edsd.launch.engine import on_cpu
+from vllm_edsd.launch.engine import cpu_dtype, on_cpu
 from vllm_edsd.model.edsd import check_tensors
 from vllm_edsd.serving import cpu_onednn, cpu_sampling, draft_length, lookup, preflight
 from vllm_edsd.serving.patching import (
@@ -242,9 +242,21 @@ def _checked_engine_config(original: Callable) -> Callable:
         if spec is not None and spec.method == EAGLE3_METHOD and lookup.PromptLookup.of(spec) is not None:
             with _errors_for_the_user():
                 draft_length.check_runner(lookup.FEATURE, config)
+        if draft is not None and set(EDSD_VLLM.architectures) & set(draft.architectures or []):
+            advise_cpu_dtype(str(config.model_config.dtype).removeprefix("torch."))
         return config
 
     return create_engine_config
+
+
+def advise_cpu_dtype(dtype: str) -> None:
+    """One warning where an EDSD server computes in a 16-bit dtype that this CPU emulates: every
+    drafter forward pays the emulation too, and float32 serves faster there (docs/serving.md,
+    "The dtype on a CPU"). The dtype stays the user's choice."""
+    if dtype in ("bfloat16", "float16") and on_cpu() and cpu_dtype() == "float32":
+        logger.warning("vllm-edsd: this CPU computes %s by emulation (it has neither AVX512-BF16 nor AMX), "
+                       "which slows the target and every drafter forward: serve with --dtype float32 here "
+                       "(docs/serving.md, \"The dtype on a CPU\")", dtype)
 
 
 def attach(proposer: Any) -> None:
