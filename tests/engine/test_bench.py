@@ -152,6 +152,27 @@ def test_schedule_is_measured_then_served(models, tmp_path):
     assert f"`{json.dumps(schedule)}`" in (out / "report.md").read_text()
 
 
+def test_serve_times_vllms_own_client_against_servers_as_users_start_them(tmp_path):
+    """``bench serve`` on the embedded demo pair: ``vllm bench serve`` answers every held-out
+    prompt from the server without speculation and from the EDSD server, which drafts, and whose
+    log says the plugin chose sampled drafts (the config leaves ``draft_sample_method`` out)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench", "serve", "--out", str(out), "--num-prompts", "2", "--output-len", "8",
+           "--dtypes", "float32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["label"]: r for r in results["runs"]}
+    assert set(rows) == {"none", "edsd K=4"}
+    for row in rows.values():
+        assert (row["completed"], row["served_dtype"]) == (2, "float32")
+        assert 0 < row["total_output_tokens"] <= 16 and row["output_throughput"] > 0
+    assert rows["none"]["counters"]["drafts"] == 0 < rows["edsd K=4"]["counters"]["drafts"]
+    log = (out / "server-edsd_K=4-float32.log").read_text()
+    assert "\"draft_sample_method\": 'probabilistic', as it was not set" in log
+    assert "| edsd K=4 | float32 (float32) |" in (out / "report.md").read_text()
+
+
 def test_stop_at_eos_ends_replies_where_the_model_ends_its_answer(tmp_path):
     """``--stop-at-eos`` on the embedded demo target (a real chat model, which ends its answers):
     the acceptance suite of two ``--categories`` in float32 (``--dtype``), and at least one reply
