@@ -51,7 +51,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("suite", choices=(*SUITES, "all", *DIAGNOSTICS, schedule.SUITE, vllm_serve.SUITE),
                         help="schedule: the K-by-batch-size table for one drafter; serve: vLLM's own client against "
-                             "servers at their defaults (each has its own options: python -m bench schedule --help)")
+                             "servers at their defaults (each has its own options: python -m bench schedule --help, "
+                             "python -m bench serve --help)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--target", help="target model (default: the embedded demo target)")
     parser.add_argument("--edsd", help="EDSD drafter, vLLM layout (default: the demo's)")

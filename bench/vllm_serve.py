@@ -149,11 +149,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def speculative_configs(args: argparse.Namespace) -> dict[str, dict]:
-    """Each server's speculative config by label: the demo's EDSD at K=4 unless given."""
+def speculative_configs(args: argparse.Namespace, drafters: dict[str, str]) -> dict[str, dict]:
+    """Each server's speculative config by label: the demo's EDSD (``drafters``) at K=4 unless given."""
     from vllm_edsd.launch.engine import speculative_config
 
-    args.target, drafters = models_or_demo(args.target, {})
     if not args.speculative_config:
         if "edsd" not in drafters:
             raise EDSDError("no EDSD drafter to serve: pass --speculative-config")
@@ -175,7 +174,8 @@ def speculative_configs(args: argparse.Namespace) -> dict[str, dict]:
 def main(argv: list[str]) -> int:
     try:
         args = parse(argv)
-        configs = speculative_configs(args)
+        args.target, drafters = models_or_demo(args.target, {})
+        configs = speculative_configs(args, drafters)
         records = held_out_sharegpt(args.num_prompts)
     except EDSDError as exc:
         print(f"bench serve: error: {exc}", file=sys.stderr)

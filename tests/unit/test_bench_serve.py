@@ -30,7 +30,7 @@ def test_speculative_configs_are_labelled_by_what_differs():
                   "--speculative-config", '{"method": "edsd", "model": "D", "num_speculative_tokens": 4}',
                   "--speculative-config", '{"method": "edsd", "model": "D", "num_speculative_tokens": 1, '
                                           '"draft_sample_method": "greedy"}'])
-    assert list(speculative_configs(args)) == ["edsd K=4", "edsd K=1 draft_sample_method=greedy"]
+    assert list(speculative_configs(args, {})) == ["edsd K=4", "edsd K=1 draft_sample_method=greedy"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -45,7 +45,7 @@ def test_bad_arguments_are_refused(argv, message):
 @pytest.mark.parametrize("config, message", [("{not json", "not JSON"), ('["edsd"]', "a JSON object with a method")])
 def test_a_bad_speculative_config_is_refused(config, message):
     with pytest.raises(EDSDError, match=message):
-        speculative_configs(parse(["--out", "x", "--target", "T", "--speculative-config", config]))
+        speculative_configs(parse(["--out", "x", "--target", "T", "--speculative-config", config]), {})
 
 
 def test_the_command_refuses_in_one_line(tmp_path):
