@@ -130,6 +130,19 @@ def test_dry_run_shows_each_command_and_runs_nothing(toy, tmp_path, capsys):
     assert not work.exists()
 
 
+def test_edsd_only_keys_reach_edsd_alone(toy, tmp_path):
+    """``train.token_norm`` is a part of EDSD's architecture: EAGLE-3's run is given the rest of
+    the budget without it (its ``edsd train`` would train the same model either way)."""
+    from vllm_edsd.pipeline.config import load_config
+    from vllm_edsd.pipeline.stages import Plan
+
+    plan = Plan(load_config(toy_config(toy, tmp_path / "work", train={"token_norm": "layernorm"})))
+    edsd, eagle3 = plan.train_argv("edsd"), plan.train_argv("eagle3")
+    assert edsd[edsd.index("--token-norm") + 1] == "layernorm" and "--token-norm" not in eagle3
+    assert [a for a in edsd if a.startswith("--") and a not in ("--token-norm", "--layers")] == \
+        [a for a in eagle3 if a.startswith("--") and a != "--layers"]
+
+
 @pytest.mark.parametrize("change, message", [
     ({"train": {"epoch": 3}}, "unknown key train.epoch"),
     ({"train": {"epochs": "3"}}, "train.epochs must be an integer, got '3'"),
@@ -144,6 +157,7 @@ def test_dry_run_shows_each_command_and_runs_nothing(toy, tmp_path, capsys):
     ({"extra": {"x": 1}}, "unknown section [extra]"),
     ({"data": {"sharegpt_chat": 8}}, "[data] needs either file or sharegpt_chat/sharegpt_code"),
     ({"target": {"path": "nowhere"}}, "target.path: "),
+    ({"train": {"token_norm": "batchnorm"}}, "train.token_norm must be one of ['rmsnorm', 'layernorm']"),
 ])
 def test_a_bad_config_is_one_line_naming_the_key(toy, tmp_path, capsys, change, message):
     config = toy_config(toy, tmp_path / "work", **change)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_edsd.checkpoint.config import SUPPORTED_DTYPES
+from vllm_edsd.checkpoint.config import SUPPORTED_DTYPES, TOKEN_NORMS
 from vllm_edsd.errors import EDSDError, is_int, positive_int
 from vllm_edsd.features.shards import BACKENDS  # what runs the target for its features
 
@@ -55,6 +55,7 @@ draft_vocab_size = 4096
 seed = 0
 device = "cuda"
 # save_every = 500                       # batches: also save the state within an epoch (resumable)
+# token_norm = "layernorm"               # EDSD's token-stream norm (default rmsnorm, SpecForge's)
 
 [output]
 work = "runs/smollm2"                    # data, caches, checkpoints, logs (rerun to resume)
@@ -112,6 +113,9 @@ class Layers:
     select_max_length: int | None = count()
 
 
+EDSD_ONLY = {"token_norm"}  # [train] keys of EDSD's architecture, not given to other methods
+
+
 @dataclass(frozen=True)
 class Train:
     """``[train]``: the methods, and the budget every one of them trains with: each key but
@@ -131,14 +135,17 @@ class Train:
     warmup: float | None = None
     weight_decay: float | None = None
     feature_noise: float | None = None
+    # EDSD's architecture (EAGLE-3 has no such part: its runs leave these out)
+    token_norm: str | None = field(default=None, metadata={CHOICES: TOKEN_NORMS})
     # the run
     seed: int | None = None
     device: str | None = None
     save_every: int | None = None
 
-    def budget(self) -> dict[str, Any]:
-        """The ``edsd train`` flags, name -> value, in the order of the fields."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "methods"}
+    def budget(self, method: str) -> dict[str, Any]:
+        """``method``'s ``edsd train`` flags, name -> value, in the order of the fields."""
+        left_out = {"methods"} | (set() if method == "edsd" else EDSD_ONLY)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in left_out}
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ class Plan:
         else:
             own = ["--layers-from", str(self.layers_json)] if method == "edsd" else []
         return ["train", self.target, "--out", str(out or self.work / method), "--method", method, *own,
-                "--data", str(self.data()), *flags(**self.train.budget()),
+                "--data", str(self.data()), *flags(**self.train.budget(method)),
                 "--cache", str(self.work / "cache"), "--feature-layers", self.feature_ids(), *self.backend_flag()]
 
     def converted(self) -> Path:
