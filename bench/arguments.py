@@ -35,3 +35,15 @@ def models_or_demo(target: str | None, drafters: dict[str, str]) -> tuple[str, d
     except EDSDError as exc:
         raise EDSDError(f"no demo models in this installation ({exc}); pass --target and a drafter") from exc
     return paths["target"], {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters
+
+
+def target_and_drafter(target: str | None, method: str, drafter: str | None) -> tuple[str, str | None]:
+    """The target and ``method``'s drafter (None for ``none``), the demo's where no target is
+    given; a target given without its drafter is refused (the demo's drafters are for the demo's
+    target only)."""
+    target, drafters = models_or_demo(target, {method: drafter} if drafter else {})
+    if method == "none":
+        return target, None
+    if method not in drafters:
+        raise EDSDError(f"no {method} drafter: pass --drafter")
+    return target, drafters[method]

@@ -53,7 +53,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10,
                         help="rounds of (cold, reload) starts (default 10: 20 starts)")
     parser.add_argument("--target", help="the target model (default: the embedded demo target)")
-    parser.add_argument("--drafter", help="the drafter (default: the demo's EDSD drafter)")
+    parser.add_argument("--drafter", help="the drafter (default: the demo's, with the demo target)")
     parser.add_argument("--method", default="edsd", help="speculative method, or none (default edsd)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one start may take (default 900)")
     args = parser.parse_args(argv)
@@ -125,18 +125,16 @@ def render(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from vllm_edsd.demo import demo_paths
     from vllm_edsd.serving.plugin import DISABLE_ENV
 
+    from .arguments import target_and_drafter
     from .machine import machine
 
-    if args.target is None or args.drafter is None:
-        try:
-            demo = demo_paths()
-        except EDSDError as exc:
-            print(f"bench.cold_starts: {exc}", file=sys.stderr)
-            return 2
-        args.target, args.drafter = args.target or demo["target"], args.drafter or demo["edsd"]
+    try:
+        args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
+    except EDSDError as exc:
+        print(f"bench.cold_starts: error: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plugin = "disabled (VLLM_EDSD_DISABLE)" if os.environ.get(DISABLE_ENV) else "installed"

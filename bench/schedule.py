@@ -23,7 +23,7 @@ from tqdm import tqdm
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import llm_session, speculative_config
 
-from .arguments import models_or_demo, numbers
+from .arguments import numbers, target_and_drafter
 from .draft_cost import DTYPES
 from .offline import CATEGORIES, generate, load_prompts
 
@@ -151,18 +151,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def resolve_models(args: argparse.Namespace) -> None:
-    """The demo's target and drafter where none is given."""
-    args.target, drafters = models_or_demo(args.target, {args.method: args.drafter} if args.drafter else {})
-    if args.method not in drafters:
-        raise EDSDError(f"no {args.method} drafter: pass --drafter")
-    args.drafter = drafters[args.method]
-
-
 def main(argv: list[str]) -> int:
     try:
         args = parse(argv)
-        resolve_models(args)
+        args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
     except EDSDError as exc:
         print(f"bench schedule: error: {exc}", file=sys.stderr)
         return 2

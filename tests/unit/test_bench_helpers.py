@@ -286,3 +286,15 @@ def test_the_lookup_column_says_what_the_lookup_drafted_and_how_much_held():
     assert _lookup_share({"draft_sources": None}) == _lookup_share({}) == "–"
     nothing = {"lookup": {"draft_tokens": 0, "accepted": 0}, "drafter": {"draft_tokens": 0, "accepted": 0}}
     assert _lookup_share({"draft_sources": nothing}) == "0/0"
+
+
+def test_a_target_given_needs_its_own_drafter(tmp_path):
+    """The demo's drafters fill in for the demo's target only: a target given without a drafter
+    is one line, whatever the bench; ``none`` needs no drafter."""
+    from bench.arguments import target_and_drafter
+    from vllm_edsd.errors import EDSDError
+
+    with pytest.raises(EDSDError, match="no edsd drafter: pass --drafter"):
+        target_and_drafter(str(tmp_path), "edsd", None)
+    assert target_and_drafter(str(tmp_path), "none", None) == (str(tmp_path), None)
+    assert target_and_drafter(str(tmp_path), "eagle3", "d") == (str(tmp_path), "d")
