@@ -27,6 +27,8 @@ from pathlib import Path
 
 from vllm_edsd.errors import EDSDError
 
+from .arguments import target_and_drafter
+
 # One start, as a user's script: the engine, one greedy request, its reply on the last line.
 START = """
 import json, sys, time
@@ -59,6 +61,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    try:
+        args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
+    except EDSDError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -127,14 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from vllm_edsd.serving.plugin import DISABLE_ENV
 
-    from .arguments import target_and_drafter
     from .machine import machine
 
-    try:
-        args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
-    except EDSDError as exc:
-        print(f"bench.cold_starts: error: {exc}", file=sys.stderr)
-        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plugin = "disabled (VLLM_EDSD_DISABLE)" if os.environ.get(DISABLE_ENV) else "installed"
