@@ -62,7 +62,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "decoding, needs arctic-inference), eagle3, edsd, "
                              "and EDSD served as edsd-adaptive "
                              "(entropy-adaptive draft length), edsd-batch-table (vLLM's K-by-batch-size table), "
-                             "edsd+lookup (prompt lookup beside the drafter) or edsd-adaptive+lookup (both) "
+                             "edsd+lookup (prompt lookup beside the drafter), edsd-k1+lookup (the same, the drafter "
+                             "drafting one token where the lookup drafts up to K) or edsd-adaptive+lookup (both) "
                              f"(default {DEFAULT_METHODS}; draft-cost: {','.join(draft_cost.METHODS)}, all it takes)")
     parser.add_argument("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
                         help=f"edsd-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")

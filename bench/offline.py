@@ -27,6 +27,7 @@ NGRAM_LENGTHS = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # (``num_speculative_tokens_per_batch_size``), set from the static K figures of this CPU: K up
 # to batch 4, K/2 to 16, 1 above. ``edsd+lookup`` drafts by prompt lookup where it matches and
 # by the EDSD drafter elsewhere (docs/serving.md, "Prompt lookup beside the drafter");
+# ``edsd-k1+lookup`` lets the drafter draft one token there (the lookup up to K);
 # ``edsd-adaptive+lookup`` cuts the drafter's drafts by its entropy there too.
 VARIANTS = {
     "edsd-adaptive": (
@@ -40,6 +41,7 @@ VARIANTS = {
         },
     ),
     "edsd+lookup": ("edsd", lambda k, threshold: dict(NGRAM_LENGTHS)),
+    "edsd-k1+lookup": ("edsd", lambda k, threshold: {"num_drafter_tokens": 1, **NGRAM_LENGTHS}),
     "edsd-adaptive+lookup": (
         "edsd",
         lambda k, threshold: {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold, **NGRAM_LENGTHS},

@@ -1,7 +1,8 @@
 """Prompt lookup beside the drafter (``"prompt_lookup_min"``/``"prompt_lookup_max"`` with
-``"method": "edsd"``) in a real engine, at T=0: output identical to the target's alone; both
-sources draft; the counts per source add up to vLLM's own spec-decode counters; a request
-capped at 0 gets no drafts from either source, and capped ones no more than their cap.
+``"method": "edsd"``, the drafter held to ``"num_drafter_tokens"`` below K) in a real engine, at
+T=0: output identical to the target's alone; both sources draft, the drafter within its own
+length; the counts per source add up to vLLM's own spec-decode counters; a request capped at 0
+gets no drafts from either source, and capped ones no more than their cap.
 Unit tests of the matcher, the rule and the config: tests/unit/test_lookup.py."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import pytest
 from conftest import CAPS, FITTED_TOKENS, capped_phase, edsd_spec, greedy_phase, per_request_metrics
 
 K = 4
-LOOKUP_KEYS = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+DRAFTER_TOKENS = 2
+LOOKUP_KEYS = {"prompt_lookup_min": 2, "prompt_lookup_max": 4, "num_drafter_tokens": DRAFTER_TOKENS}
 COUNTED = ("chat", "repeats", "repeats-off", "capped")
 
 
@@ -48,6 +50,14 @@ def test_lookup_and_drafter_both_draft(lookup_run):
         assert sources["lookup"]["accepted"] > 0 and sources["drafter"]["accepted"] > 0, (name, sources)
 
 
+def test_the_drafter_drafts_within_its_own_length_and_the_lookup_beyond_it(lookup_run):
+    for name in ("chat", "repeats", "capped"):
+        drafter = lookup_run[name]["draft_sources"]["drafter"]
+        assert 0 < drafter["draft_tokens"] <= DRAFTER_TOKENS * drafter["drafts"], (name, drafter)
+    lookup = lookup_run["repeats"]["draft_sources"]["lookup"]
+    assert lookup["draft_tokens"] > DRAFTER_TOKENS * lookup["drafts"], lookup  # a copied reply: long matches
+
+
 @pytest.mark.parametrize("name", COUNTED)
 def test_counts_per_source_add_up_to_vllms_counters(lookup_run, name):
     phase = lookup_run[name]
@@ -59,7 +69,7 @@ def test_counts_per_source_add_up_to_vllms_counters(lookup_run, name):
 def test_a_request_capped_at_0_gets_no_drafts_from_either_source(lookup_run):
     phase = lookup_run["repeats-off"]
     assert phase["counters"]["draft_tokens"] == 0
-    assert all(s == {"draft_tokens": 0, "accepted": 0} for s in phase["draft_sources"].values())
+    assert all(s == {"drafts": 0, "draft_tokens": 0, "accepted": 0} for s in phase["draft_sources"].values())
 
 
 def test_no_request_drafts_beyond_its_cap(lookup_run):

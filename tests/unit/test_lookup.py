@@ -82,6 +82,7 @@ def test_the_rule_picks_the_lookup_where_it_matched_at_least_min_tokens():
     ({"prompt_lookup_min": 2, "prompt_lookup_max": 4}, PromptLookup(2, 4)),
     ({"prompt_lookup_min": 3}, PromptLookup(3, 3)),  # one key alone sets both, as vLLM's ngram does
     ({"prompt_lookup_max": 3}, PromptLookup(3, 3)),
+    ({"prompt_lookup_min": 2, "prompt_lookup_max": 4, "num_drafter_tokens": 1}, PromptLookup(2, 4, 1)),
 ])
 def test_the_keys_are_taken_out_of_the_config(fields, expected):
     fields = {**fields, "model": "x"}
@@ -99,6 +100,9 @@ def test_the_keys_are_taken_out_of_the_config(fields, expected):
     ({"prompt_lookup_max": "3"}, "'prompt_lookup_max' .* got '3'"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 4},
      r"'prompt_lookup_min' \(5\) must not exceed 'prompt_lookup_max' \(4\)"),
+    ({"num_drafter_tokens": 1}, "'num_drafter_tokens' limits the drafter beside the prompt lookup: it needs"),
+    ({"prompt_lookup_max": 3, "num_drafter_tokens": 0}, "'num_drafter_tokens' .* must be a positive integer, got 0"),
+    ({"prompt_lookup_max": 3, "num_drafter_tokens": 1.0}, "'num_drafter_tokens' .* got 1.0"),
 ])
 def test_bad_keys_are_one_line_naming_the_key(fields, message):
     with pytest.raises(EDSDError, match=message) as err:
@@ -154,11 +158,23 @@ def test_lookup_rows_take_the_lookups_drafts_and_the_next_step_counts_by_source(
     assert lookup.sources == {"r0": LOOKUP, "r1": DRAFTER}
     # next step: r0's 3 drafts, 2 accepted (3 tokens kept); r1's 2 drafts, none accepted
     lookup.count_verified(["r0", "r1"], [3, 2], [[5, 3, 9], [4]])
-    assert lookup.counts.as_dict() == {LOOKUP: {"draft_tokens": 3, "accepted": 2},
-                                       DRAFTER: {"draft_tokens": 2, "accepted": 0}}
+    assert lookup.counts.as_dict() == {LOOKUP: {"drafts": 1, "draft_tokens": 3, "accepted": 2},
+                                       DRAFTER: {"drafts": 1, "draft_tokens": 2, "accepted": 0}}
     untouched = torch.tensor([[1, 2], [3, 4]])
     assert lookup.after_drafting(runner, untouched, [None, None]) is untouched  # the drafter's own, as vLLM made it
     assert lookup.sources == {"r0": DRAFTER, "r1": DRAFTER}
+
+
+def test_the_drafter_drafts_within_its_own_length_where_the_lookup_does_not():
+    """Lookup rows: drafter cap 0; drafter rows: their request's cap within ``num_drafter_tokens``;
+    None where every row is left at K, so that vLLM's own draft loop runs."""
+    match = Match(2, [5, 6, 7])
+    capped = LookupDrafting(PromptLookup(2, 4, drafter_tokens=1))
+    assert capped.drafter_caps([None, match, None], [4, 4, 0], k=4) == [1, 0, 0]
+    assert capped.drafter_caps([None], [4], k=1) is None  # K=1 is the drafter's length already
+    plain = LookupDrafting(PromptLookup(2, 4))
+    assert plain.drafter_caps([None, match], [4, 2], k=4) == [4, 0]
+    assert plain.drafter_caps([None, None], [4, 4], k=4) is None
 
 
 def test_lookup_rows_get_one_hot_draft_probabilities_widened_to_their_drafts():
@@ -188,6 +204,18 @@ def test_the_keys_reach_the_workers_on_vllms_own_config(models, method):
 def test_a_bad_key_is_refused_before_any_engine_starts(models):
     with pytest.raises(EDSDError, match="^speculative config: 'prompt_lookup_min' \\(3\\) must not exceed"):
         engine_config(models["llama"], spec(models["llama-edsd"], prompt_lookup_min=3, prompt_lookup_max=2))
+    with pytest.raises(EDSDError, match="^speculative config: 'num_drafter_tokens' \\(5\\) must not exceed "
+                                        "num_speculative_tokens \\(4\\)"):
+        engine_config(models["llama"], spec(models["llama-edsd"], k=4, prompt_lookup_max=3, num_drafter_tokens=5))
+
+
+@pytest.mark.parametrize("method", ["edsd", "eagle3"])
+def test_the_drafters_length_reaches_the_workers(models, method):
+    import pickle
+
+    request = {**spec(models["llama-edsd"], k=4, prompt_lookup_max=3, num_drafter_tokens=1), "method": method}
+    config = pickle.loads(pickle.dumps(engine_config(models["llama"], request)))
+    assert PromptLookup.of(config.speculative_config) == PromptLookup(3, 3, 1)
 
 
 def test_the_lookup_needs_the_v1_runner_and_synchronous_scheduling(models):

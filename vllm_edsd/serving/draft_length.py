@@ -43,7 +43,7 @@ DEFAULT_THRESHOLD = 0.1
 CONFIG_ATTRIBUTE = "edsd_adaptive_draft"
 
 
-class _Carried(dict):
+class Carried(dict):
     """The settings as the plugin puts them on the drafter's hf_config. JSON writes a dict
     subclass as a dict but never reads one back as this class, so a checkpoint's config.json
     cannot forge it; pickling (to the workers) keeps it."""
@@ -85,7 +85,7 @@ class AdaptiveDraftLength:
 
     def as_dict(self) -> dict[str, float]:
         """What ``CONFIG_ATTRIBUTE`` carries to the workers (see ``of``)."""
-        return _Carried(threshold=self.threshold)
+        return Carried(threshold=self.threshold)
 
     @classmethod
     def of(cls, hf_config: Any) -> AdaptiveDraftLength | None:
@@ -95,7 +95,7 @@ class AdaptiveDraftLength:
         raw = getattr(hf_config, CONFIG_ATTRIBUTE, None)
         if raw is None:
             return None
-        if not isinstance(raw, _Carried):
+        if not isinstance(raw, Carried):
             logger.warning("vllm-edsd: ignoring %r in the drafter's config.json: serving options come from the "
                            "speculative config only", CONFIG_ATTRIBUTE)
             return None

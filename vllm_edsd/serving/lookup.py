@@ -12,6 +12,10 @@ occurred earlier in them, the tokens that followed it are the draft; elsewhere t
   ``prompt_lookup_min`` tokens. The drafter still runs its first forward for every row (it
   writes the drafter's KV cache); rows the lookup serves get a drafter cap of 0, so the later
   draft steps end once the drafter's own rows are done (``draft_length.DraftLengthLimiter``).
+* **Lengths.** ``num_speculative_tokens`` (K) is the most either source drafts;
+  ``num_drafter_tokens`` (this plugin's key, at most K) caps the drafter's rows lower, so that
+  the lookup's long drafts where the reply copies and the drafter's short ones elsewhere share
+  one engine (on a CPU the drafter's later steps cost about what they save).
 * **Caps** apply to both sources: a row's draft is at most its request's cap and this step's
   K; a cap-0 request gets nothing.
 * **Counting.** The runner verifies each row's drafts on the next step; ``DraftSources``
@@ -34,12 +38,16 @@ import numpy as np
 import torch
 
 from vllm_edsd.errors import EDSDError, positive_int
-from vllm_edsd.serving.draft_length import limiter_of
+from vllm_edsd.serving.draft_length import Carried, limiter_of
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
 MIN_KEY, MAX_KEY = "prompt_lookup_min", "prompt_lookup_max"
-KEYS = (MIN_KEY, MAX_KEY)
+DRAFTER_KEY = "num_drafter_tokens"  # the most the drafter drafts where the lookup does not
+KEYS = (MIN_KEY, MAX_KEY, DRAFTER_KEY)
+# Where the drafter's length travels to the workers: an attribute of the drafter's hf_config,
+# which vLLM pickles with the rest of the config (vLLM's SpeculativeConfig has no such field).
+CONFIG_ATTRIBUTE = "edsd_lookup_drafter_tokens"
 FEATURE = f"prompt lookup beside the drafter ({MIN_KEY!r}, {MAX_KEY!r})"
 LOOKUP, DRAFTER = "lookup", "drafter"
 LOG_INTERVAL_S = 10.0
@@ -51,10 +59,13 @@ def _check_length(key: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class PromptLookup:
-    """The validated n-gram lengths the lookup matches, ``min_n`` to ``max_n`` tokens."""
+    """The validated n-gram lengths the lookup matches, ``min_n`` to ``max_n`` tokens, and the
+    most tokens the drafter drafts in the rows the lookup leaves to it (``drafter_tokens``;
+    None: ``num_speculative_tokens``, the most either source drafts)."""
 
     min_n: int
     max_n: int
+    drafter_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for key, value in ((MIN_KEY, self.min_n), (MAX_KEY, self.max_n)):
@@ -62,23 +73,39 @@ class PromptLookup:
         if self.min_n > self.max_n:
             raise EDSDError(f"speculative config: {MIN_KEY!r} ({self.min_n}) must not exceed "
                             f"{MAX_KEY!r} ({self.max_n})")
+        if self.drafter_tokens is not None:
+            positive_int(self.drafter_tokens, f"speculative config: {DRAFTER_KEY!r} (the most tokens the drafter "
+                                              "drafts where the lookup does not)")
 
     @classmethod
     def pop_from(cls, fields: dict[str, Any]) -> PromptLookup | None:
         """Remove the lookup keys from a speculative config dict and validate them; None when
-        neither is given (or both are null). One key alone sets both, as in vLLM's ``ngram``."""
+        no n-gram length is given (or both are null). One length alone sets both, as in vLLM's
+        ``ngram``."""
         given = {key: fields.pop(key) for key in KEYS if key in fields}
-        for key, value in given.items():
-            if value is not None:
-                _check_length(key, value)
-        low, high = given.get(MIN_KEY), given.get(MAX_KEY)
+        for key in (MIN_KEY, MAX_KEY):
+            if given.get(key) is not None:
+                _check_length(key, given[key])
+        low, high, drafter = given.get(MIN_KEY), given.get(MAX_KEY), given.get(DRAFTER_KEY)
         if low is None and high is None:
+            if drafter is not None:
+                raise EDSDError(f"speculative config: {DRAFTER_KEY!r} limits the drafter beside the prompt lookup: "
+                                f"it needs {MIN_KEY!r} and/or {MAX_KEY!r} (without them, lower "
+                                "num_speculative_tokens instead)")
             return None
-        return cls(high if low is None else low, low if high is None else high)
+        return cls(high if low is None else low, low if high is None else high, drafter)
 
     def put_on(self, speculative_config: Any) -> None:
-        """Set vLLM's own fields, which its ``__post_init__`` zeroed for a model drafter."""
+        """Set vLLM's own fields, which its ``__post_init__`` zeroed for a model drafter, and
+        carry the drafter's length on its hf_config; refuse a drafter's length above K."""
+        k = speculative_config.num_speculative_tokens
+        if self.drafter_tokens is not None and self.drafter_tokens > k:
+            raise EDSDError(f"speculative config: {DRAFTER_KEY!r} ({self.drafter_tokens}) must not exceed "
+                            f"num_speculative_tokens ({k}), the most tokens either source drafts")
         speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max = self.min_n, self.max_n
+        if self.drafter_tokens is not None:
+            setattr(speculative_config.draft_model_config.hf_config, CONFIG_ATTRIBUTE,
+                    Carried(drafter_tokens=self.drafter_tokens))
 
     @classmethod
     def of(cls, speculative_config: Any) -> PromptLookup | None:
@@ -86,7 +113,11 @@ class PromptLookup:
         the fields 0 unless the plugin put them back)."""
         low = getattr(speculative_config, MIN_KEY, None)
         high = getattr(speculative_config, MAX_KEY, None)
-        return cls(low, high) if low and high else None
+        if not (low and high):
+            return None
+        draft_model = getattr(speculative_config, "draft_model_config", None)
+        carried = getattr(getattr(draft_model, "hf_config", None), CONFIG_ATTRIBUTE, None)
+        return cls(low, high, carried["drafter_tokens"] if isinstance(carried, Carried) else None)
 
 
 @dataclass(frozen=True)
@@ -132,27 +163,34 @@ def use_lookup(match: Match | None, settings: PromptLookup) -> bool:
     return match is not None and match.length >= settings.min_n and bool(match.tokens)
 
 
+def _per_source() -> dict[str, int]:
+    return {LOOKUP: 0, DRAFTER: 0}
+
+
 @dataclass
 class DraftSources:
-    """Draft tokens vLLM verified, and accepted, per source of the drafts."""
+    """Drafts (one per request and step) vLLM verified, their tokens, and the tokens accepted,
+    per source of the drafts."""
 
-    draft_tokens: dict[str, int] = field(default_factory=lambda: {LOOKUP: 0, DRAFTER: 0})
-    accepted: dict[str, int] = field(default_factory=lambda: {LOOKUP: 0, DRAFTER: 0})
+    drafts: dict[str, int] = field(default_factory=_per_source)
+    draft_tokens: dict[str, int] = field(default_factory=_per_source)
+    accepted: dict[str, int] = field(default_factory=_per_source)
 
     def add(self, source: str, draft_tokens: int, accepted: int) -> None:
+        self.drafts[source] += 1
         self.draft_tokens[source] += draft_tokens
         self.accepted[source] += accepted
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        return {source: {"draft_tokens": self.draft_tokens[source], "accepted": self.accepted[source]}
-                for source in (LOOKUP, DRAFTER)}
+        return {source: {"drafts": self.drafts[source], "draft_tokens": self.draft_tokens[source],
+                         "accepted": self.accepted[source]} for source in (LOOKUP, DRAFTER)}
 
     def describe(self) -> str:
         parts = []
         for source in (LOOKUP, DRAFTER):
             drafted, accepted = self.draft_tokens[source], self.accepted[source]
             rate = f" ({accepted / drafted:.1%})" if drafted else ""
-            parts.append(f"{source} {drafted} draft tokens, {accepted} accepted{rate}")
+            parts.append(f"{source} {drafted} draft tokens in {self.drafts[source]} drafts, {accepted} accepted{rate}")
         return "; ".join(parts)
 
 
@@ -218,6 +256,13 @@ class LookupDrafting:
         limits = [0 if ctx is None else min(cap, k, runner.max_model_len - len(ctx))
                   for ctx, cap in zip(contexts, caps)]
         return self.match_rows(contexts, limits)
+
+    def drafter_caps(self, matches: list[Match | None], caps: list[int], k: int) -> list[int] | None:
+        """Each row's drafter cap: 0 where the lookup drafts, else its cap within the drafter's
+        own length; None where that leaves every row at K (the drafter's loop is vLLM's own)."""
+        own = min(k, self.settings.drafter_tokens or k)
+        drafter = [0 if match is not None else min(cap, own) for match, cap in zip(matches, caps)]
+        return None if all(cap == k for cap in drafter) else drafter
 
     def after_drafting(self, runner: Any, drafts: torch.Tensor | list[list[int]],
                        matches: list[Match | None]) -> torch.Tensor | list[list[int]]:

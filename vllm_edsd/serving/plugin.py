@@ -304,8 +304,7 @@ def _capped_drafting(original: Callable) -> Callable:
         if prompt_lookup is not None:
             row_caps = caps or [k] * len(self.input_batch.req_ids)
             matches = prompt_lookup.before_drafting(self, signature.bind(self, *args, **kwargs).arguments, row_caps)
-            if any(match is not None for match in matches):
-                drafter_caps = [0 if match is not None else cap for match, cap in zip(matches, row_caps)]
+            drafter_caps = prompt_lookup.drafter_caps(matches, row_caps, k) or caps
         if limiter is not None:
             limiter.caps = drafter_caps
         try:
