@@ -80,8 +80,9 @@ def sampled(trained, engine_runs):
 
 
 # Prompt lookup beside EDSD, matching n-grams from one token: the chat prompt's template repeats
-# tokens, so the lookup drafts on a good share of the steps (checked below).
-LOOKUP_KEYS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
+# tokens, so the lookup drafts on a good share of the steps (checked below). The drafter drafts
+# one token elsewhere, so a step's drafts and draft probabilities differ in length by source.
+LOOKUP_KEYS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_drafter_tokens": 1}
 
 
 def speculative(method: str, model: str) -> dict:

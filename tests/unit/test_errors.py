@@ -95,6 +95,13 @@ def test_adaptive_fields_belong_to_edsd(models):
         )
 
 
+def test_the_drafters_length_beside_the_lookup_belongs_to_model_drafters(models):
+    with pytest.raises(EDSDError, match="^speculative config: 'num_drafter_tokens' is an option of \"method\": "
+                                        "\"edsd\" and \"eagle3\", not of 'ngram'$"):
+        engine_config(models["llama"], {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                        "num_drafter_tokens": 1})
+
+
 @pytest.mark.vllm_range
 def test_adaptive_draft_length_is_accepted_on_the_v1_runner(models):
     """On this CPU build (V1 runner, synchronous scheduling) the config is accepted, vLLM sees

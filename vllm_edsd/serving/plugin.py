@@ -178,10 +178,13 @@ def _checked_speculative_init(original: Callable) -> Callable:
         with _errors_for_the_user():
             kwargs = dict(kwargs)
             if kwargs.get("method") != METHOD:
-                stray = sorted(set(kwargs) & set(draft_length.FIELDS))
+                owners = {**dict.fromkeys(draft_length.FIELDS, f'"{METHOD}"'),
+                          lookup.DRAFTER_KEY: f'"{METHOD}" and "{EAGLE3_METHOD}"'}
+                stray = sorted(key for key in set(kwargs) & set(owners)
+                               if not (key == lookup.DRAFTER_KEY and kwargs.get("method") == EAGLE3_METHOD))
                 if stray:
                     raise EDSDError(f"speculative config: {', '.join(map(repr, stray))} is an option of "
-                                    f"\"method\": \"{METHOD}\", not of {kwargs.get('method')!r}")
+                                    f"\"method\": {owners[stray[0]]}, not of {kwargs.get('method')!r}")
                 # vLLM's own EAGLE-3 takes the lookup too; every other method keeps vLLM's meaning of the keys
                 prompt_lookup = lookup.PromptLookup.pop_from(kwargs) if kwargs.get("method") == EAGLE3_METHOD else None
                 original(self, *args, **kwargs)
