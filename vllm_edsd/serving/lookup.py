@@ -43,8 +43,9 @@ from vllm_edsd.serving.draft_length import Carried, limiter_of
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
 MIN_KEY, MAX_KEY = "prompt_lookup_min", "prompt_lookup_max"
-DRAFTER_KEY = "num_drafter_tokens"  # the most the drafter drafts where the lookup does not
-KEYS = (MIN_KEY, MAX_KEY, DRAFTER_KEY)
+VLLM_KEYS = (MIN_KEY, MAX_KEY)  # vLLM's own fields (its ngram's), which it zeroes for model drafters
+DRAFTER_KEY = "num_drafter_tokens"  # the plugin's: the most the drafter drafts where the lookup does not
+KEYS = (*VLLM_KEYS, DRAFTER_KEY)
 # Where the drafter's length travels to the workers: an attribute of the drafter's hf_config,
 # which vLLM pickles with the rest of the config (vLLM's SpeculativeConfig has no such field).
 CONFIG_ATTRIBUTE = "edsd_lookup_drafter_tokens"

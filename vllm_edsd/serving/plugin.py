@@ -440,7 +440,7 @@ PATCHES: tuple[Patch, ...] = (
     *(Patch.made_by(CONFIG, "vllm.config:SpeculativeConfig", key,
                     "vLLM zeroes its own n-gram keys for a model drafter; the user's are put back after its "
                     "checks, so that they reach the workers with the config", when=_LOOKUP_ON,
-                    where=("vllm_edsd/serving/lookup.py:PromptLookup.put_on",)) for key in lookup.KEYS),
+                    where=("vllm_edsd/serving/lookup.py:PromptLookup.put_on",)) for key in lookup.VLLM_KEYS),
     Patch.made_by(ADDED, "vllm.v1.worker.worker_base:WorkerBase", lookup.WORKER_METHOD,
                   "the prompt lookup's counts per source, which LLM.collective_rpc calls by name in every worker",
                   where=("vllm_edsd/serving/lookup.py:add_worker_method",), when="at plugin load"),
@@ -452,6 +452,10 @@ PATCHES: tuple[Patch, ...] = (
                   "carry the adaptive draft length's settings from the front end to the workers",
                   where=("vllm_edsd/serving/plugin.py:_checked_speculative_init.__init__",),
                   when="with \"adaptive_draft_length\": true"),
+    Patch.made_by(CONFIG, _DRAFTER_CONFIG, lookup.CONFIG_ATTRIBUTE,
+                  "carry num_drafter_tokens (the drafter's length beside the prompt lookup) from the front end to "
+                  "the workers", where=("vllm_edsd/serving/lookup.py:PromptLookup.put_on",),
+                  when="with \"num_drafter_tokens\" beside the prompt lookup keys"),
     Patch.made_by(CONFIG, _DRAFTER_CONFIG, "draft_vocab_size",
                   "the drafter's vocabulary, set as vLLM's own EAGLE-3 model sets it",
                   where=("vllm_edsd/serving/vllm_model.py:EDSDLlamaForCausalLM.__init__",),

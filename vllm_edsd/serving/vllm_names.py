@@ -29,7 +29,8 @@ from typing import Any
 
 from vllm_edsd.checkpoint.layouts import EDSD_VLLM
 from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, LIMITER_ATTRIBUTE
-from vllm_edsd.serving.lookup import KEYS as LOOKUP_KEYS
+from vllm_edsd.serving.lookup import CONFIG_ATTRIBUTE as LOOKUP_ATTRIBUTE
+from vllm_edsd.serving.lookup import VLLM_KEYS as LOOKUP_KEYS
 from vllm_edsd.serving.lookup import WORKER_METHOD
 from vllm_edsd.serving.patching import ENVIRONMENT, EXCEPTION, PRIVATE, Patch
 
@@ -126,6 +127,9 @@ PATCHED: tuple[VllmName, ...] = (
     # config attributes on the drafter's hf_config
     VllmName(_DRAFTER_CONFIG, CONFIG_ATTRIBUTE, _PLUGIN,
              not_checked="our own attribute: it carries the plugin's settings to its own model class, and no "
+                         "vLLM code reads it"),
+    VllmName(_DRAFTER_CONFIG, LOOKUP_ATTRIBUTE, "serving/lookup.py",
+             not_checked="our own attribute: it carries num_drafter_tokens to the plugin's runner hook, and no "
                          "vLLM code reads it"),
     VllmName(_DRAFTER_CONFIG, "draft_vocab_size", _MODEL, set_by=_EAGLE3 + ".__init__"),
     # vLLM's own n-gram fields, which the lookup puts back on the config
