@@ -84,7 +84,7 @@ class PromptLookup:
         no n-gram length is given (or both are null). One length alone sets both, as in vLLM's
         ``ngram``."""
         given = {key: fields.pop(key) for key in KEYS if key in fields}
-        for key in (MIN_KEY, MAX_KEY):
+        for key in VLLM_KEYS:
             if given.get(key) is not None:
                 _check_length(key, given[key])
         low, high, drafter = given.get(MIN_KEY), given.get(MAX_KEY), given.get(DRAFTER_KEY)
