@@ -199,7 +199,7 @@ def write_example(tmp_path: Path, text: str) -> Path:
 
 def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     """``pipeline.toml`` and build-demo's flags give the arguments the shipped drafters were
-    trained with (all 10,043 conversations, saved every 100 batches; the epochs from the flag)."""
+    trained with (the recipe of docs/paper.md's ablations; all 10,043 conversations, saved every 100 batches; the epochs from the flag)."""
     from vllm_edsd.demo import DEMO_PROMPTS, build
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
@@ -214,11 +214,13 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     pairs = dict(zip(argv[2::2], argv[3::2]))
     assert argv[:2] == ["train", str(toy["target"])] and pairs == {
         "--out": str(tmp_path / "edsd"), "--method": "edsd", "--layers-from": str(tmp_path / "layers.json"),
-        "--data": data, "--epochs": "2", "--ttt-steps": "4", "--lr": "0.001", "--lr-schedule": "constant",
-        "--weight-decay": "0.01", "--draft-vocab-size": "4096",
+        "--data": data, "--epochs": "2", "--ttt-steps": "4", "--lr": "0.001", "--lr-schedule": "cosine",
+        "--weight-decay": "0", "--token-norm": "layernorm", "--draft-vocab-size": "4096",
         "--max-length": "448", "--batch-size": "8", "--seed": "0", "--device": "cpu", "--save-every": "100",
         "--cache": str(tmp_path / "cache"), "--feature-layers": "1,2,3"}
-    assert "--layers-from" not in plan.train_argv("eagle3")
+    eagle3 = plan.train_argv("eagle3")
+    assert "--layers-from" not in eagle3 and "--token-norm" not in eagle3
+    assert eagle3[eagle3.index("--lr-schedule") + 1] == "cosine" and eagle3[eagle3.index("--weight-decay") + 1] == "0"
     assert plan.cfg.data.exclude == [prompt for _, prompt in DEMO_PROMPTS]
     assert plan.convert_argv()[-5:] == ["--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dtype", "float16",
                                         "--force"]
