@@ -198,8 +198,9 @@ def write_example(tmp_path: Path, text: str) -> Path:
 
 
 def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
-    """``pipeline.toml`` and build-demo's flags give the arguments the shipped drafters were
-    trained with (the recipe of docs/paper.md's ablations; all 10,043 conversations, saved every 100 batches; the epochs from the flag)."""
+    """``pipeline.toml`` and build-demo's flags give the demo drafters' training arguments: the
+    recipe of docs/paper.md's ablations, all 10,043 conversations, saved every 100 batches, the
+    epochs from the flag; EAGLE-3 gets the same optimizer and none of EDSD's architecture."""
     from vllm_edsd.demo import DEMO_PROMPTS, build
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
