@@ -40,8 +40,8 @@ SHARED_PREFIXES = [[1, *range(20, 276)], [1, *range(500, 244, -1)]]
 SHARED_PREFIX_PROMPTS = [SHARED_PREFIXES[which] + list(range(280 + 10 * i, 285 + 11 * i))
                          for i, which in enumerate([0, 1, 0, 1, 1, 0])]
 # Their draft-length caps one request at a time, in order: the first prefix first computed by a
-# request that opted out of drafting, the second by a drafting one; then hits on both, uncapped,
-# capped and opted out.
+# request that opted out of drafting, the second by a drafting one; then uncapped, capped and
+# opted-out requests on both (an opted-out request's blocks serve only opted-out requests).
 SHARED_PREFIX_CAPS = [0, None, None, 2, 0, 1]
 
 separate_worker_engines()
@@ -196,14 +196,14 @@ def llama_edsd_eager(models: dict, engine_runs) -> dict:
     """The toy Llama target with its EDSD drafter (K=4), eager and in float32 like the reference,
     vLLM's defaults otherwise (prefix caching on): PROMPTS (test_serving.py), then
     SHARED_PREFIX_PROMPTS one at a time with their caps (test_prefix_caching.py), every chain
-    recorded."""
+    and each request's drafter forwards recorded."""
     job = {
         "target": models["llama"],
         "speculative_config": edsd_spec(models["llama-edsd"]),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32"},
         "phases": [greedy_phase(record_proposals=True),
-                   capped_phase("shared-prefix", SHARED_PREFIX_PROMPTS, SHARED_PREFIX_CAPS, SHARED_PREFIX_TOKENS,
-                                alone=True)],
+                   {**capped_phase("shared-prefix", SHARED_PREFIX_PROMPTS, SHARED_PREFIX_CAPS, SHARED_PREFIX_TOKENS,
+                                   alone=True), "count_drafter_forwards": True}],
     }
     return engine_runs("llama-edsd-eager", job)
 

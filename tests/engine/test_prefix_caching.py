@@ -2,9 +2,12 @@
 on prompts that share long prefixes (``SHARED_PREFIX_PROMPTS``), against the target's own output.
 
 Prefix caching, on by vLLM's default, in the shared eager EDSD engine (``llama_edsd_eager``),
-one request at a time, a prefix first computed by a request that opted out of drafting: vLLM
-reports the hits, the output is the target's, and every chain drafted after a hit is the
-reference model's cut to its request's cap, so the opted-out request wrote its drafter KV cache.
+one request at a time, a prefix first computed by a request that opted out of drafting. An
+opted-out request alone runs no drafter forward, so its blocks lack the drafter's KV: it gets
+its own prefix-cache salt, and a drafting request hits only blocks that drafting requests
+computed. vLLM reports exactly those hits, the output is the target's, and every chain is the
+reference model's cut to its request's cap (a drafting request that reused an opted-out one's
+blocks would draft from an unwritten drafter KV cache).
 
 Chunked prefill, in an engine of its own (a prefill budget of 40 tokens, smaller than every
 prompt; prefix caching on, in blocks of 32): the output is the target's and every request drafts
@@ -19,6 +22,7 @@ from conftest import (
     SHARED_PREFIX_CAPS,
     SHARED_PREFIX_PROMPTS,
     SHARED_PREFIX_TOKENS,
+    SHARED_PREFIXES,
     assert_drafts_match,
     capped_phase,
     edsd_spec,
@@ -46,12 +50,23 @@ def chunked(models, engine_runs) -> dict:
     return engine_runs("llama-edsd-chunked-prefill", job)["phases"]
 
 
+def expected_hits(prompts: list, caps: list) -> list[bool]:
+    """Which requests, run one at a time in order, find their prefix cached: those after a
+    request of the same prefix on the same side of drafting (capped at 0 or not)."""
+    prefix = len(SHARED_PREFIXES[0])
+    return [any(p[:prefix] == prompts[i][:prefix] and (c == 0) == (caps[i] == 0) for p, c in zip(prompts[:i], caps[:i]))
+            for i in range(len(prompts))]
+
+
 def assert_hits(phase: dict) -> None:
-    """Each prefix's first request finds nothing cached, every later one at least 64 tokens
-    (with a drafter vLLM recomputes the last block found: its drafter KV needs the target's
-    hidden states), and vLLM's counters report the hits."""
-    assert phase["cached_tokens"][:2] == [0, 0] and min(phase["cached_tokens"][2:]) >= 64, phase["cached_tokens"]
-    assert phase["prefix_cache"]["hits"] >= 4 * 64, phase["prefix_cache"]
+    """Each request finds at least 64 prompt tokens cached where ``expected_hits`` says so and
+    none elsewhere (with a drafter vLLM recomputes the last block found: its drafter KV needs
+    the target's hidden states), and vLLM's counters report the hits."""
+    hits = expected_hits(SHARED_PREFIX_PROMPTS, SHARED_PREFIX_CAPS)
+    assert hits == [False, False, False, True, False, True]  # the caps make both kinds of miss and hit
+    cached = phase["cached_tokens"]
+    assert all((n >= 64) if hit else n == 0 for n, hit in zip(cached, hits, strict=True)), cached
+    assert phase["prefix_cache"]["hits"] >= sum(hits) * 64, phase["prefix_cache"]
 
 
 def compared_chains(models: dict, phase: dict, caps: list) -> list[int]:
@@ -75,10 +90,18 @@ def test_prefix_caching_is_lossless_and_hit(cached, baseline):
 
 
 def test_drafts_after_a_hit_are_the_reference_models(models, cached):
-    """The second request of the first prefix hits blocks an opted-out request computed; its
-    chains, and every other request's, are the reference's (cut to the cap)."""
+    """Every drafting request's chains are the reference's (cut to the cap): those that hit a
+    prefix and those that recomputed one an opted-out request had cached."""
     compared = compared_chains(models, cached, SHARED_PREFIX_CAPS)
     assert min(compared[i] for i, cap in enumerate(SHARED_PREFIX_CAPS) if cap != 0) >= SHARED_PREFIX_TOKENS // (K + 1)
+
+
+def test_an_opted_out_request_alone_runs_no_drafter_forward(cached):
+    """A request capped at 0, alone in its steps, skips the drafter (its prefill included);
+    every other request runs it."""
+    forwards = cached["drafter_forwards"]
+    assert len(forwards) == len(SHARED_PREFIX_CAPS), forwards
+    assert all((n == 0) == (cap == 0) for n, cap in zip(forwards, SHARED_PREFIX_CAPS, strict=True)), forwards
 
 
 def test_chunked_prefill_is_lossless_and_each_request_drafts_its_cap(chunked, baseline):

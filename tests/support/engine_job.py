@@ -5,8 +5,8 @@ prompts + sampling parameters; the target may be a drafter directory served alon
 speculative config: docs/formats.md, "Speculators format"); this script builds the engine once, runs the phases in
 order and writes token ids, vLLM's spec-decode counters, preemptions and what the prefix cache
 held (per request and vLLM's counters) per phase and, on request, the draft tokens the drafter
-proposed and the prompt lookup's counts per draft source (read out of the worker with
-``collective_rpc``).
+proposed, the drafter model's forwards and the prompt lookup's counts per draft source (read
+out of the worker with ``collective_rpc``).
 A separate process per engine keeps engines from sharing memory or state between tests
 and turns an engine crash into a readable test failure.
 
@@ -70,6 +70,26 @@ def _row_caps(runner, rows: int) -> list:
     return caps
 
 
+def _install_forward_counter(worker) -> None:
+    """Count the drafter model's forwards (each step's first and every later draft step)."""
+    model = _drafter(worker).model
+    if getattr(model, "_edsd_forwards", None) is not None:
+        return
+    model._edsd_forwards, original = 0, model.forward
+
+    def forward(*args, **kwargs):
+        model._edsd_forwards += 1
+        return original(*args, **kwargs)
+
+    model.forward = forward
+
+
+def _take_forwards(worker) -> int:
+    model = _drafter(worker).model
+    forwards, model._edsd_forwards = model._edsd_forwards, 0
+    return forwards
+
+
 def _take_recorded(worker) -> tuple[list, list]:
     drafter = _drafter(worker)
     recorded, drafter._edsd_recorded = drafter._edsd_recorded, []
@@ -130,9 +150,13 @@ def main(job_path: str, out_path: str) -> None:
         record, record_batch = phase.get("record_proposals", False), phase.get("record_batch", False)
         if record or record_batch:
             llm.collective_rpc(_install_recorder)
+        count_forwards = phase.get("count_drafter_forwards", False)
+        if count_forwards:
+            llm.collective_rpc(_install_forward_counter)
+            llm.collective_rpc(_take_forwards)
         before, preempted_before, cache_before = spec_counters(llm), preemptions(llm), prefix_cache(llm)
         sources_before = draft_sources(llm) if phase.get("draft_sources") else None
-        outputs, proposals, batch_steps, request_metrics, cached = [], [], [], [], []
+        outputs, proposals, batch_steps, request_metrics, cached, forwards = [], [], [], [], [], []
         # Recorded proposals are attributed to a prompt by running prompts one at a time
         # (``record_batch``: the whole batch at once, each step's rows with their caps).
         one_at_a_time = record or phase.get("one_at_a_time", False)
@@ -147,6 +171,8 @@ def main(job_path: str, out_path: str) -> None:
                 request_metrics.append(None if metrics is None else metrics.to_dict())
             if record:
                 proposals.append(llm.collective_rpc(_take_recorded)[0][0])
+            if count_forwards:  # per group: per request where they run one at a time
+                forwards.append(llm.collective_rpc(_take_forwards)[0])
         if record_batch:
             drafts, caps = llm.collective_rpc(_take_recorded)[0]
             batch_steps = [list(zip(c, d, strict=True)) for c, d in zip(caps, drafts, strict=True)]
@@ -159,6 +185,7 @@ def main(job_path: str, out_path: str) -> None:
             "preemptions": preemptions(llm) - preempted_before,
             "draft_sources": difference(draft_sources(llm), sources_before) if sources_before else None,
             "cached_tokens": cached,
+            "drafter_forwards": forwards,
             "prefix_cache": {key: value - cache_before[key] for key, value in prefix_cache(llm).items()},
         }
     with open(out_path, "w") as f:

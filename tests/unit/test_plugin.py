@@ -88,3 +88,14 @@ def test_vllm_outside_the_range_refuses_edsd_by_name_and_leaves_the_rest_alone()
     assert result["ngram"] == "ngram"
     assert log.count("supports vLLM 0.24 up to (not including) 0.34; the installed vLLM is 0.23.0; the plugin "
                      "refuses \"method\": \"edsd\"") == 1
+
+
+def test_an_opted_out_request_gets_its_own_prefix_cache_salt():
+    """Only a cap of 0 marks a request; the mark keeps the user's own salt apart as well."""
+    from vllm_edsd.serving.draft_length import OPTED_OUT_SALT, opted_out, salted_for_opt_out
+
+    assert opted_out({"num_speculative_tokens": 0})
+    assert not any(opted_out(extra) for extra in (None, {}, {"num_speculative_tokens": 1}, {"other": 0}))
+    assert salted_for_opt_out(None) == salted_for_opt_out("") == OPTED_OUT_SALT
+    assert salted_for_opt_out("tenant-a") != salted_for_opt_out("tenant-b") != OPTED_OUT_SALT
+    assert "tenant-a" in salted_for_opt_out("tenant-a")

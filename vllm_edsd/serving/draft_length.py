@@ -161,6 +161,22 @@ def request_caps(req_ids: list[str], requests: dict[str, Any], k: int) -> list[i
     return caps if any(cap < k for cap in caps) else None
 
 
+# The prefix-cache salt of a request capped at 0: its steps may skip the drafter's forward, so
+# its blocks can lack the drafter's KV, and no request that drafts may reuse them.
+OPTED_OUT_SALT = "vllm-edsd: no drafter KV"
+
+
+def opted_out(extra_args: dict | None) -> bool:
+    """Whether a request's cap is 0: it never drafts, so the drafter need never see it."""
+    return bool(extra_args) and extra_args.get(REQUEST_KEY) == 0
+
+
+def salted_for_opt_out(cache_salt: str | None) -> str:
+    """The prefix-cache salt of an opted-out request: its own salt (if any), marked, so that it
+    shares cached blocks only with other opted-out requests of the same salt."""
+    return OPTED_OUT_SALT if not cache_salt else f"{cache_salt}|{OPTED_OUT_SALT}"
+
+
 def cut(drafts: torch.Tensor | list[list[int]], caps: list[int]) -> list[list[int]]:
     """One draft list per batch row, at most its cap long."""
     rows = drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
@@ -183,15 +199,21 @@ class DraftLengthLimiter:
     the hook there records the chain, updates each request's length and raises
     ``StopDrafting`` once no request can draft further. ``propose`` then returns one list
     per request, cut to its length. The drafter's first forward (which writes its KV cache)
-    always runs. Under data parallelism the ranks agree on batch padding once before the draft
-    loop, so the loop is only left from its second step on. The runner sets ``caps`` for one
-    ``propose`` call; with neither caps nor the adaptive rule, ``propose`` is vLLM's own."""
+    runs unless every request of the batch is capped at 0 (``every_row_opted_out``): such a
+    step proposes nothing and skips the drafter entirely, since those requests never draft
+    and their blocks are kept apart in the prefix cache (``salted_for_opt_out``). Under data
+    parallelism the ranks agree on batch padding once before the draft loop, so the loop is
+    only left from its second step on and the forward is never skipped. The runner sets
+    ``caps`` for one ``propose`` call; with neither caps nor the adaptive rule, ``propose`` is
+    vLLM's own."""
 
     def __init__(self, proposer: Any, model: Any, settings: AdaptiveDraftLength | None, data_parallel: bool) -> None:
         self.proposer, self.model, self.settings = proposer, model, settings
         self.first_stop_step = 2 if data_parallel else 1
+        self.data_parallel = data_parallel
         self._propose, self._sample = proposer.propose, proposer._sample_draft_tokens
         self.caps: list[int] | None = None
+        self.every_row_opted_out = False  # set by the runner with caps: every request's own cap is 0
         self.lookup: Any = None  # this worker's prompt lookup (lookup.LookupDrafting), where the config asks for one
         self.tokens: list[torch.Tensor] = []
         self.probs: list[torch.Tensor] = []
@@ -248,6 +270,9 @@ class DraftLengthLimiter:
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor | list[list[int]]:
         if not self.limiting:
             return self._propose(*args, **kwargs)
+        if self.every_row_opted_out and not self.data_parallel:
+            self.proposer._last_draft_probs = None
+            return [[] for _ in self.caps]
         self.tokens, self.probs, self.lengths, self._caps = [], [], None, None
         try:
             drafts = self._propose(*args, **kwargs)

@@ -310,17 +310,35 @@ def _capped_drafting(original: Callable) -> Callable:
             drafter_caps = prompt_lookup.drafter_caps(matches, row_caps, k) or caps
         if limiter is not None:
             limiter.caps = drafter_caps
+            limiter.every_row_opted_out = caps is not None and not any(caps)
         try:
             drafts = original(self, *args, **kwargs)
         finally:
             if limiter is not None:
-                limiter.caps = None
+                limiter.caps, limiter.every_row_opted_out = None, False
         if matches is not None:
             return prompt_lookup.after_drafting(self, drafts, matches)
         # a hooked proposer returned its drafts cut already; another's are cut here
         return drafts if caps is None or limiter is not None else draft_length.cut(drafts, caps)
 
     return propose_draft_token_ids
+
+
+def _salted_opt_outs(original: Callable) -> Callable:
+    """The engine core's ``preprocess_add_request`` that gives a request capped at 0 its own
+    prefix-cache salt before its block hashes are computed: a step of only such requests
+    skips the drafter (``DraftLengthLimiter.propose``), so their blocks may lack the drafter's
+    KV, and a request that drafts must never reuse them."""
+
+    def preprocess_add_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = self.vllm_config.speculative_config
+        params = request.sampling_params
+        if spec is not None and spec.draft_model_config is not None and params is not None \
+                and draft_length.opted_out(params.extra_args):
+            request.cache_salt = draft_length.salted_for_opt_out(request.cache_salt)
+        return original(self, request, *args, **kwargs)
+
+    return preprocess_add_request
 
 
 def _checked_request_params(original: Callable) -> Callable:
@@ -405,6 +423,10 @@ PATCHES: tuple[Patch, ...] = (
           "any other proposer's drafts (n-gram...) to it; draft by prompt lookup where it matches (its drafts and "
           "one-hot draft probabilities for those rows)", _capped_drafting,
           when="at plugin load (V1 runner; the CPU runner inherits it)"),
+    Patch("vllm.v1.engine.core:EngineCore", "preprocess_add_request",
+          "give a request capped at 0 its own prefix-cache salt: a step of only such requests skips the drafter's "
+          "forward, so their blocks may lack the drafter's KV, which a drafting request must not reuse",
+          _salted_opt_outs),
     Patch("vllm.v1.engine.input_processor:InputProcessor", "_validate_params",
           "refuse a bad cap, or one the engine cannot honour, as vLLM's VLLMValidationError: that request fails "
           "(HTTP 400), the others go on", _checked_request_params),
@@ -420,7 +442,8 @@ PATCHES: tuple[Patch, ...] = (
     cpu_sampling.EXPAND_BATCH_TO_TOKENS,
     cpu_onednn.HANDLE_RELEASE,
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, "propose",
-                  "return each request's draft cut to its length (its cap, the adaptive rule)",
+                  "return each request's draft cut to its length (its cap, the adaptive rule); skip the drafter in "
+                  "a step whose every request is capped at 0",
                   where=(f"{_LIMITER}.__init__",), when=_HOOKED),
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, "_sample_draft_tokens",
                   "record each draft step's tokens and each request's length under its cap and the entropy rule",
@@ -435,8 +458,8 @@ PATCHES: tuple[Patch, ...] = (
                   when="when a batch has a draft-length cap or the adaptive rule"),
     Patch.made_by(PRIVATE, _PROPOSER, "_last_draft_probs",
                   "the sampled drafts' probabilities of a loop that ended early, which vLLM's loop sets at its end "
-                  "and its rejection sampler reads", where=(f"{_LIMITER}.propose",),
-                  when="when the draft loop ended early with probabilistic drafts"),
+                  "and its rejection sampler reads; none where the drafter was skipped", where=(f"{_LIMITER}.propose",),
+                  when="when the draft loop ended early with probabilistic drafts, or every request was capped at 0"),
     *(Patch.made_by(CONFIG, "vllm.config:SpeculativeConfig", key,
                     "vLLM zeroes its own n-gram keys for a model drafter; the user's are put back after its "
                     "checks, so that they reach the workers with the config", when=_LOOKUP_ON,
