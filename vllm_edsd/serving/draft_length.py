@@ -209,7 +209,6 @@ class DraftLengthLimiter:
 
     def __init__(self, proposer: Any, model: Any, settings: AdaptiveDraftLength | None, data_parallel: bool) -> None:
         self.proposer, self.model, self.settings = proposer, model, settings
-        self.first_stop_step = 2 if data_parallel else 1
         self.data_parallel = data_parallel
         self._propose, self._sample = proposer.propose, proposer._sample_draft_tokens
         self.caps: list[int] | None = None
@@ -222,6 +221,12 @@ class DraftLengthLimiter:
         proposer.propose = self.propose
         proposer._sample_draft_tokens = self.sample_draft_tokens
         setattr(proposer, LIMITER_ATTRIBUTE, self)
+
+    @property
+    def first_stop_step(self) -> int:
+        """The first draft step after which the loop may end: the second under data parallelism,
+        whose ranks pad the drafter's batch together before the loop."""
+        return 2 if self.data_parallel else 1
 
     @property
     def limiting(self) -> bool:
