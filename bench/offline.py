@@ -141,14 +141,16 @@ def sequence_tau(output_tokens: int, accepted: int) -> float | None:
 
 
 def generate(llm, conversations: list[list[dict]], temperature: float, max_tokens: int, one_at_a_time: bool,
-             ignore_eos: bool = True) -> dict:
-    """Output tokens/s and the spec-decode counters over these conversations."""
+             ignore_eos: bool = True, extra_args: dict | None = None) -> dict:
+    """Output tokens/s and the spec-decode counters over these conversations (``extra_args``:
+    every request's, such as a draft-length cap)."""
     from vllm import SamplingParams
 
     # No per-request seed (the engine's own seed=0 stands): vLLM 0.32's CPU build ends the engine
     # when a seeded request's prefill is split across steps at temperature > 0 ("CPU Generator
     # does not use offset", seen in a 64-request batch at T=1).
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                            extra_args=extra_args)
     sources_before = draft_sources(llm)
     before, replies, start = spec_counters(llm), [], time.perf_counter()
     groups = [[c] for c in conversations] if one_at_a_time else [conversations]

@@ -2,8 +2,10 @@
 throughput with one drafter, measured, then served and measured again.
 
 For every batch size (default 1, 4, 16, 64) it times the target alone, the drafter at K=0
-(vLLM's table with K 0: the drafter's first forward still runs, its vocabulary head does not)
-and at each static K, picks the fastest K per batch size, and writes vLLM's
+(vLLM's table with K 0: the drafter's first forward still runs, its vocabulary head does not),
+the same engine with every request capped at 0 (the drafter skipped entirely: what a K=0 step
+costs at best, vLLM's own speculative bookkeeping included) and each static K, picks the
+fastest K per batch size, and writes vLLM's
 ``num_speculative_tokens_per_batch_size`` table for it: DIR/schedule.json, ready for
 ``--speculative-config``. An engine serving that table is then timed beside the rest, so the
 report compares the schedule with static K and with no speculation at every batch size.
@@ -22,6 +24,7 @@ from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import llm_session, speculative_config
+from vllm_edsd.serving.draft_length import REQUEST_KEY
 
 from .arguments import numbers, target_and_drafter
 from .draft_cost import DTYPES
@@ -31,6 +34,7 @@ DEFAULT_BATCH_SIZES = "1,4,16,64"
 MIN_REQUESTS = 8  # small batches run several rounds, so one prompt does not decide a batch size
 SUITE = "schedule"
 NONE, SCHEDULE = "none", "schedule"
+OPTED_OUT = "opted-out"  # K=1, every request capped at 0 (extra_args): the drafter never runs
 
 
 def choose_schedule(tok_s: dict[int, dict[int, float]], max_batch: int) -> list[list[int]]:
@@ -53,6 +57,16 @@ def choose_schedule(tok_s: dict[int, dict[int, float]], max_batch: int) -> list[
     return ranges
 
 
+def static_k_throughput(runs: list[dict]) -> dict[int, dict[int, float]]:
+    """``tok_s[batch][k]`` of the static-K engines (K=0 included), the only ones a table can
+    serve: none and the opted-out engine are references, never choices."""
+    tok_s: dict[int, dict[int, float]] = {}
+    for r in runs:
+        if isinstance(r["engine"], int):
+            tok_s.setdefault(r["batch_size"], {})[r["engine"]] = r["output_tokens_per_s"]
+    return tok_s
+
+
 def schedule_config(ranges: list[list[int]]) -> dict:
     """The speculative-config keys that serve ``ranges``: vLLM caps every K at
     ``num_speculative_tokens`` and needs that to be at least 1."""
@@ -61,26 +75,29 @@ def schedule_config(ranges: list[list[int]]) -> dict:
 
 
 def engine_config(args: argparse.Namespace, label: str | int, ranges: list[list[int]] | None = None) -> dict | None:
-    """The speculative config of one timed engine: none, the schedule, or static K (K=0 is
-    vLLM's table with one range of K 0)."""
+    """The speculative config of one timed engine: none, the schedule, static K (K=0 is vLLM's
+    table with one range of K 0), or K=1 for the opted-out requests."""
     if label == NONE:
         return None
     if label == SCHEDULE:
         keys = schedule_config(ranges)
         return speculative_config(args.method, args.drafter, keys.pop("num_speculative_tokens"), **keys)
+    if label == OPTED_OUT:
+        return speculative_config(args.method, args.drafter, 1)
     if label == 0:
         return speculative_config(args.method, args.drafter, 1, num_speculative_tokens_per_batch_size=[[1, 1, 0]])
     return speculative_config(args.method, args.drafter, label)
 
 
-def time_batches(llm, prompts: list[list[dict]], batch_sizes: list[int], max_tokens: int) -> dict[int, dict]:
+def time_batches(llm, prompts: list[list[dict]], batch_sizes: list[int], max_tokens: int,
+                 extra_args: dict | None = None) -> dict[int, dict]:
     """Output tokens/s at each batch size: ``max(batch, MIN_REQUESTS)`` requests, ``batch`` at a
-    time, every reply ``max_tokens`` long."""
+    time, every reply ``max_tokens`` long, each request with ``extra_args``."""
     generate(llm, prompts[:1], 0.0, 8, one_at_a_time=False)  # one-time costs, before any timing
     timed = {}
     for batch in batch_sizes:
         requests = [prompts[i % len(prompts)] for i in range(max(batch, MIN_REQUESTS))]
-        rounds = [generate(llm, requests[i:i + batch], 0.0, max_tokens, one_at_a_time=False)
+        rounds = [generate(llm, requests[i:i + batch], 0.0, max_tokens, one_at_a_time=False, extra_args=extra_args)
                   for i in range(0, len(requests), batch)]
         total = {key: sum(r[key] for r in rounds) for key in ("output_tokens", "elapsed_s", "drafts", "draft_tokens")}
         timed[batch] = {**total, "output_tokens_per_s": total["output_tokens"] / total["elapsed_s"],
@@ -92,8 +109,9 @@ def time_batches(llm, prompts: list[list[dict]], batch_sizes: list[int], max_tok
 def measure(args: argparse.Namespace, prompts: list[list[dict]], label: str | int,
             ranges: list[list[int]] | None = None) -> list[dict]:
     engine_kwargs = {"max_num_seqs": max(args.batch_sizes)} | ({"dtype": args.dtype} if args.dtype else {})
+    extra_args = {REQUEST_KEY: 0} if label == OPTED_OUT else None
     with llm_session(args.target, engine_config(args, label, ranges), **engine_kwargs) as llm:
-        timed = time_batches(llm, prompts, args.batch_sizes, args.max_tokens)
+        timed = time_batches(llm, prompts, args.batch_sizes, args.max_tokens, extra_args)
     return [{"engine": label, "batch_size": b, **row} for b, row in timed.items()]
 
 
@@ -108,7 +126,8 @@ def render(results: dict) -> str:
     runs, machine = results["runs"], results["machine"]
     labels = list(dict.fromkeys(r["engine"] for r in runs))
     cell = {(r["engine"], r["batch_size"]): r["output_tokens_per_s"] for r in runs}
-    names = {NONE: "none", SCHEDULE: "schedule", 0: "K=0"} | {k: f"K={k}" for k in labels if isinstance(k, int) and k}
+    names = {NONE: "none", SCHEDULE: "schedule", OPTED_OUT: "every request capped at 0", 0: "K=0"}
+    names |= {k: f"K={k}" for k in labels if isinstance(k, int) and k}
     lines = [f"# K by batch size: {results['method']} on {results['target']}", "",
              f"Command: `{results['command']}`  ",
              f"Machine: {machine['processor']} ({machine['cpu_instruction_set']}), {machine['cores']} cores; "
@@ -173,16 +192,12 @@ def main(argv: list[str]) -> int:
         (out / "report.md").write_text(render(results))
 
     try:
-        for label in tqdm((NONE, *range(args.max_k + 1)), desc="bench schedule", unit="engine"):
+        for label in tqdm((NONE, OPTED_OUT, *range(args.max_k + 1)), desc="bench schedule", unit="engine"):
             record(label)
     except EDSDError as exc:  # an engine that cannot start: what was measured stays in results.json
         print(f"bench schedule: error: {exc}", file=sys.stderr)
         return 2
-    tok_s: dict[int, dict[int, float]] = {}
-    for r in results["runs"]:
-        if r["engine"] != NONE:
-            tok_s.setdefault(r["batch_size"], {})[r["engine"]] = r["output_tokens_per_s"]
-    results["schedule"] = schedule_config(choose_schedule(tok_s, args.max_batch))
+    results["schedule"] = schedule_config(choose_schedule(static_k_throughput(results["runs"]), args.max_batch))
     (out / "schedule.json").write_text(json.dumps(results["schedule"]) + "\n")
     record(SCHEDULE, results["schedule"]["num_speculative_tokens_per_batch_size"])
     print(render(results))

@@ -127,9 +127,10 @@ def test_draft_length_variants_side_by_side(models, tmp_path):
 
 
 def test_schedule_is_measured_then_served(models, tmp_path):
-    """``bench schedule`` times none, K=0 (vLLM's table of one range with K 0) and each static
-    K, writes a table vLLM accepts, and times an engine serving it: at K=0 nothing is drafted,
-    at static K every draft is K long, and the served table drafts its own K at batch 1."""
+    """``bench schedule`` times none, K=0 (vLLM's table of one range with K 0), every request
+    capped at 0 and each static K, writes a table vLLM accepts (from static K only), and times an
+    engine serving it: at K=0 and capped at 0 nothing is drafted, at static K every draft is K
+    long, and the served table drafts its own K at batch 1."""
     from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
 
     out = tmp_path / "out"
@@ -143,9 +144,10 @@ def test_schedule_is_measured_then_served(models, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["schedule"] == schedule
     rows = {(r["engine"], r["batch_size"]): r for r in results["runs"]}
-    assert set(rows) == {(e, b) for e in ("none", 0, 1, "schedule") for b in (1, 4)}
+    assert set(rows) == {(e, b) for e in ("none", "opted-out", 0, 1, "schedule") for b in (1, 4)}
     for b in (1, 4):
         assert rows["none", b]["draft_tokens"] == rows[0, b]["draft_tokens"] == 0
+        assert rows["opted-out", b]["draft_tokens"] == 0
         assert rows[1, b]["mean_draft_length"] == 1
     k_at_1 = ranges[0][2]
     assert rows["schedule", 1]["mean_draft_length"] == k_at_1

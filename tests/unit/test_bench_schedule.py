@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.schedule import choose_schedule, parse, render, schedule_config
+from bench.schedule import choose_schedule, parse, render, schedule_config, static_k_throughput
 from vllm_edsd.errors import EDSDError
 
 
@@ -37,6 +37,15 @@ def test_the_config_keeps_k_at_least_one_even_when_nothing_drafts():
 def test_nothing_measured_is_one_clear_error():
     with pytest.raises(EDSDError, match="no throughput measured"):
         choose_schedule({}, 256)
+
+
+def test_only_static_k_engines_are_choices():
+    runs = [{"engine": "none", "batch_size": 4, "output_tokens_per_s": 50.0},
+            {"engine": "opted-out", "batch_size": 4, "output_tokens_per_s": 48.0},
+            {"engine": 0, "batch_size": 4, "output_tokens_per_s": 45.0},
+            {"engine": 1, "batch_size": 4, "output_tokens_per_s": 40.0}]
+    assert static_k_throughput(runs) == {4: {0: 45.0, 1: 40.0}}
+    assert choose_schedule(static_k_throughput(runs), 256) == [[1, 256, 0]]
 
 
 def test_the_report_compares_every_engine_with_none_at_each_batch_size():
