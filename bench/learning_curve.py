@@ -58,9 +58,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
              "and EAGLE-3's: every ablation's --layers among them lets all rows share one extraction")
     add("--train-extra", default="", help="more `edsd train` arguments for every point, an ablation "
                                          "(e.g. --train-extra='--feature-noise 0.2'); its runs are kept apart")
+    add("--drafters-from", default=None, metavar="WORK",
+        help="measure the drafters an `edsd build-demo --work WORK` run trained (WORK/edsd, WORK/eagle3) "
+             "instead of training, on that run's data (--work is WORK); --sizes is then the run's one size, "
+             "and --chat-prompts/--code-prompts its prompts")
     add("--remeasure", action="store_true",
         help="measure again the points that --out's results.json already holds (default: keep them)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.drafters_from:
+        args.work = args.drafters_from
+    return args
 
 
 def demo_plan(args: argparse.Namespace, largest: int):
@@ -97,6 +104,26 @@ def train_point(plan, method: str, size: int, extra: list[str], feature_layers: 
             argv[at] = ",".join(map(str, sorted({*feature_layers, *map(int, argv[at].split(","))})))
         run_command([*argv, "--max-samples", str(size),
                      "--save-every", str(SAVE_EVERY), *extra])
+    return served_drafter(plan, method, run)
+
+
+def check_built(work: Path, methods: list[str]) -> None:
+    """Refuse ``--drafters-from`` before anything runs unless ``edsd build-demo --work work``
+    finished training every method asked for (work/METHOD/final)."""
+    from vllm_edsd.checkpoint.files import finished_checkpoint
+
+    for method in methods:
+        if not finished_checkpoint(work / method / "final"):
+            raise EDSDError(f"--drafters-from: {work / method / 'final'} is not a finished checkpoint "
+                            f"(has `edsd build-demo --work {work}` finished training {method}?)")
+
+
+def served_drafter(plan, method: str, run: Path) -> Path:
+    """The drafter of the finished training run ``run`` as vLLM serves it: EAGLE-3's checkpoint
+    as it is, EDSD's converted once into run/vllm."""
+    from vllm_edsd.checkpoint.files import finished_checkpoint
+    from vllm_edsd.pipeline.stages import run_command
+
     if method == "eagle3":
         return run / "final"
     served = run / "vllm"
@@ -141,8 +168,10 @@ def measure(drafter: Path, method: str, plan, args: argparse.Namespace) -> dict:
 
 
 def point(plan, method: str, size: int, args: argparse.Namespace, feature_layers: tuple[int, ...] = ()) -> dict:
-    """One point of the curve: train (or reuse) the drafter, then measure it."""
-    drafter = train_point(plan, method, size, args.train_extra.split(), feature_layers)
+    """One point of the curve: train (or reuse) the drafter, or take a build-demo run's, then
+    measure it."""
+    drafter = (served_drafter(plan, method, Path(args.drafters_from) / method) if args.drafters_from else
+               train_point(plan, method, size, args.train_extra.split(), feature_layers))
     log = [json.loads(line) for line in (drafter.parent / "train_log.jsonl").read_text().splitlines()]
     return {"method": method, "variant": args.train_extra, "conversations": size,
             "positions": log[-1]["positions_trained"],
@@ -223,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     except EDSDError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.drafters_from and len(sizes) != 1:
+        print("error: --drafters-from measures one run: give its number of conversations as --sizes N",
+              file=sys.stderr)
+        return 2
     methods = args.methods.split(",")
     if unknown := sorted(set(methods) - set(METHODS)):
         print(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}", file=sys.stderr)
@@ -233,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     try:
+        if args.drafters_from:
+            check_built(Path(args.drafters_from), methods)
         plan = demo_plan(args, sizes[-1])
         run_pipeline(plan.cfg, stop_after="select")  # the data and EDSelect's layers
         results = {"command": "python -m bench.learning_curve " + " ".join(argv or sys.argv[1:]),

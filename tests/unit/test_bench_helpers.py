@@ -142,7 +142,11 @@ def test_learning_curve_report_and_plot(tmp_path):
 @pytest.mark.parametrize("argv, message", [(["--sizes", "64,x"], "--sizes takes comma-separated ints, each at least 1"),
                                            (["--methods", "edsd,medusa"], "unknown method(s) medusa"),
                                            (["--sizes", "0,64"], "got '0' in '0,64'"),
-                                           (["--feature-layers", "1,-2"], "--feature-layers takes comma-separated")])
+                                           (["--feature-layers", "1,-2"], "--feature-layers takes comma-separated"),
+                                           (["--sizes", "64,128", "--drafters-from", "run"],
+                                            "--drafters-from measures one run"),
+                                           (["--sizes", "64", "--drafters-from", "nowhere"],
+                                            "nowhere/edsd/final is not a finished checkpoint")])
 def test_learning_curve_refuses_bad_arguments_in_one_line(argv, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.learning_curve", "--out", str(tmp_path / "out"),
                            "--work", str(tmp_path / "work"), *argv], capture_output=True, text=True)
