@@ -511,19 +511,36 @@ def drafting_engines(metrics: str) -> set[str]:
             if line.startswith("vllm:spec_decode_num_drafts_total{") and float(line.rsplit(" ", 1)[1]) > 0}
 
 
-def abandon_streams(url: str, bodies: list[dict], chunks: int = 4) -> list[int]:
-    """Stream each request body (in parallel) and close the connection after ``chunks`` chunks,
-    as a client that walks away does; returns how many chunks each read."""
+def abandon_streams(url: str, bodies: list[dict], events: int = 4, patience_s: float = 1.0) -> list[int]:
+    """Stream each request body (in parallel) and walk away, as a client that loses interest
+    does: after ``events`` server-sent events, or ``patience_s`` seconds without the next one
+    (a reply whose tokens have no text sends none), once the first has come. Returns how many
+    events each read before it closed the connection."""
+    import http.client
     import threading
+    from urllib.parse import urlsplit
 
-    import requests
-
+    where = urlsplit(url)
     read: list[int] = []
 
     def walk_away(body: dict) -> None:
-        with requests.post(url, json={**body, "stream": True}, stream=True, timeout=60) as reply:
-            read.append(sum(1 for _, line in zip(range(chunks), reply.iter_lines()) if line))
-        # leaving the block closes the connection: the server sees the client gone
+        connection, seen = http.client.HTTPConnection(where.hostname, where.port, timeout=120), 0
+        try:
+            connection.request("POST", where.path, json.dumps({**body, "stream": True}),
+                               {"Content-Type": "application/json"})
+            reply = connection.getresponse()
+            while seen < events:
+                line = reply.readline()
+                if not line:
+                    break
+                if line.startswith(b"data:"):
+                    seen += 1
+                    connection.sock.settimeout(patience_s)  # the first event came: from now on, impatient
+        except TimeoutError:
+            pass
+        finally:
+            read.append(seen)
+            connection.close()  # the server sees the client gone
 
     threads = [threading.Thread(target=walk_away, args=(body,)) for body in bodies]
     for thread in threads:

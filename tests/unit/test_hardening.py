@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -408,3 +409,27 @@ def test_adaptive_length_without_the_drafters_entropy_is_a_clear_error():
     model.last_draft_entropy = torch.tensor([0.1, 2.0, 0.1])  # the middle row above -ln(0.2)
     assert limiter.sample_draft_tokens(torch.zeros(3, 8), None)[0] is tokens
     assert limiter.lengths.tolist() == [1, 0, 1]
+
+
+def _zombie_group_leader() -> subprocess.Popen:
+    """A process in its own group that has exited and that nobody has reaped yet: what a killed
+    server's engine processes stay as where PID 1 does not reap orphans."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_server_group_left_with_only_zombies_counts_as_stopped():
+    from vllm_edsd.launch.server import _group_alive, stop_process_group
+
+    zombie = _zombie_group_leader()
+    os.killpg(zombie.pid, 0)  # the group still exists for signals
+    assert not _group_alive(zombie.pid)
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    assert _group_alive(running.pid)
+    started = time.time()
+    stop_process_group(running, grace_s=60)
+    assert running.returncode is not None and time.time() - started < 30  # stopped by SIGTERM, not the grace
+    zombie.wait()

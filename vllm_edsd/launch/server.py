@@ -202,11 +202,24 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. Zombies do not count: a killed server's
+    engine processes are orphans, and where PID 1 does not reap orphans (a container started
+    without an init) they stay in the group as zombies that no signal removes."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    return True
+    if not Path("/proc/self/stat").exists():  # no /proc to read: every member counts as running
+        return True
+    return any(_running_in_group(stat, pgid) for stat in Path("/proc").glob("[0-9]*/stat"))
+
+
+def _running_in_group(stat: Path, pgid: int) -> bool:
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp
+    except (OSError, IndexError):  # the process ended while the list was read
+        return False
+    return int(fields[2]) == pgid and fields[0] not in ("Z", "X")
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
