@@ -414,9 +414,10 @@ def test_adaptive_length_without_the_drafters_entropy_is_a_clear_error():
 def _zombie_group_leader() -> subprocess.Popen:
     """A process in its own group that has exited and that nobody has reaped yet: what a killed
     server's engine processes stay as where PID 1 does not reap orphans."""
+    import psutil
+
     proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
-    stat = Path(f"/proc/{proc.pid}/stat")
-    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.05)
     return proc
 
