@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -202,24 +203,37 @@ def describe(machine: dict) -> str:
             f"vLLM {machine['vllm']}")
 
 
+def point_command(results: dict, point: dict) -> str:
+    """The command that measured ``point``: its own, or for a point written before points kept
+    one, the file's (the last run's)."""
+    return point.get("command", results["command"])
+
+
 def render(results: dict) -> str:
+    """report.md: one row per point; when the points come from several runs (an ablation beside
+    the main curve), a numbered list of their commands and a column naming each row's."""
     rows = sorted(results["points"], key=lambda r: (r["method"], r.get("variant", ""), r["conversations"]))
+    runs = list(dict.fromkeys(point_command(results, r) for r in rows))
+    several = len(runs) > 1
     lines = [f"# Learning curve: served τ (K={results['k']}, T=0) against training positions", "",
-             f"Command: `{results['command']}`  ",
+             f"Command: `{runs[0]}`  " if not several else f"Commands: the {len(runs)} runs listed below the table.  ",
              f"Machine: {describe(results['machine'])}; drafters trained in float32, target served in "
              f"{rows[0]['dtype']}.  ",
              f"Held out: {results['held_out']}.  ",
              f"Seen: {results.get('seen', 'not measured')}.", "",
              "| method | conversations | positions | τ | τ (sequence) | acceptance per position | τ on seen prompts "
-             "| train acc (last epoch) | training wall time |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| train acc (last epoch) | training wall time |" + (" run |" if several else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if several else "")]
     for r in rows:
         name = r["method"] + (f" `{r['variant']}`" if r.get("variant") else "")
         sequence = f"{r['tau_sequence']:.3f}" if r.get("tau_sequence") else "-"
         lines.append(f"| {name} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | {sequence} | "
                      + " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
                      + (f" | {r['tau_seen']:.3f}" if "tau_seen" in r else " | -")
-                     + f" | {r['train_acc_per_step'][0]:.2f} | {r['train_wall_s'] / 60:.1f} min |")
+                     + f" | {r['train_acc_per_step'][0]:.2f} | {r['train_wall_s'] / 60:.1f} min |"
+                     + (f" {runs.index(point_command(results, r)) + 1} |" if several else ""))
+    if several:
+        lines += ["", *(f"{n}. `{command}`" for n, command in enumerate(runs, 1))]
     return "\n".join(lines) + "\n"
 
 
@@ -270,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             check_built(Path(args.drafters_from), methods)
         plan = demo_plan(args, sizes[-1])
         run_pipeline(plan.cfg, stop_after="select")  # the data and EDSelect's layers
-        results = {"command": "python -m bench.learning_curve " + " ".join(argv or sys.argv[1:]),
+        command = "python -m bench.learning_curve " + shlex.join(argv or sys.argv[1:])
+        results = {"command": command,
                    "machine": machine(), "k": args.k, "measurement": measurement(args),
                    "points": earlier_points(out / "results.json", args),
                    "held_out": f"the bench's prompts, {args.prompts_per_category} per category "
@@ -285,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.remeasure and any(same_point(r, key) for r in results["points"]):
                     print(f"kept: {method} {args.train_extra} at {size} conversations, measured in {out}")
                     continue
-                new = point(plan, method, size, args, feature_layers)
+                new = {**point(plan, method, size, args, feature_layers), "command": command}
                 results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
                 (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
                 (out / "report.md").write_text(render(results))

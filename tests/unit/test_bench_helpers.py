@@ -135,8 +135,29 @@ def test_learning_curve_report_and_plot(tmp_path):
     assert "| edsd | 720 | 108,000 | 2.020 | 1.900 | 0.20 / 0.05 / 0.01 / 0.00 | 2.220 | 0.50 | 11.2 min |" in table
     assert "| eagle3 | 64 | 9,600 | 1.264 | - | 0.20 / 0.05 / 0.01 / 0.00 | - | 0.50 | 1.0 min |" in table
     assert "Seen: the first 20 training prompts." in table and table.count("| eagle3 |") == 2
+    assert "Command: `python -m bench.learning_curve --out x`" in table and "| run |" not in table
     plot(results, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_learning_curve_report_names_each_runs_command():
+    """A results file that merges several runs (an ablation beside the main curve) names every
+    run's command and, in each row, the run that measured it; a point written before points kept
+    their command is the file's."""
+    from bench.learning_curve import render
+
+    machine = {"processor": "CPU X", "cpu_instruction_set": "avx2", "cores": 2, "vllm": "0.32.0"}
+    base = {"conversations": 64, "positions": 9600, "tau": 1.3, "acceptance_per_pos": [0.3, 0.0], "drafts": 10,
+            "dtype": "float32", "train_wall_s": 60.0, "train_acc_per_step": [0.5, 0.4]}
+    ablation = "python -m bench.learning_curve --out x --methods edsd '--train-extra=--lr 5e-4'"
+    points = [{**base, "method": "eagle3"},
+              {**base, "method": "edsd", "variant": "--lr 5e-4", "command": ablation}]
+    table = render({"command": "python -m bench.learning_curve --out x", "machine": machine, "k": 4,
+                    "held_out": "h", "points": points}).splitlines()
+    assert "Commands: the 2 runs listed below the table.  " in table and not any("Command:" in r for r in table)
+    assert table[-2:] == ["1. `python -m bench.learning_curve --out x`", f"2. `{ablation}`"]
+    assert next(r for r in table if r.startswith("| eagle3 |")).endswith(" 1 |")
+    assert next(r for r in table if r.startswith("| edsd ")).endswith(" 2 |")
 
 
 @pytest.mark.parametrize("argv, message", [(["--sizes", "64,x"], "--sizes takes comma-separated ints, each at least 1"),
