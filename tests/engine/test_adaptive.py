@@ -171,7 +171,11 @@ def test_server_with_two_data_parallel_engines(trained, max_entropy, plain_outpu
     counters of both together are the reference's replay of the cut chains; streams abandoned
     mid-way leave the engines serving the same output."""
     spec = adaptive_spec(trained["edsd-folded"], max_entropy)
-    with running_server(trained["target"], spec, extra_args=[*SERVER_ARGS, "--data-parallel-size", "2"],
+    # Each rank's KV cache sized to what eight short streams need: on a CPU a rank otherwise takes
+    # a quarter of the machine's memory, and two of them beside another test's engine ran a
+    # 24-GiB CI machine out of memory.
+    dp_args = [*SERVER_ARGS, "--data-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 30)]
+    with running_server(trained["target"], spec, extra_args=dp_args,
                         log_path=tmp_path / "dp.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
         outputs = completion_token_ids(base, trained["prompts"])
         metrics = requests.get(f"{base}/metrics", timeout=10).text
