@@ -22,6 +22,7 @@ ROWS=(
   "edsd|$COSINE --no-step-n"                  # every TTT step from the first epoch
   "edsd|$COSINE --ttt-steps 7"                # the paper's S_max = 7 over the epochs run: n_t = 1, 4, 7
   "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream
+  "edsd|$COSINE --no-mask-p"                  # no entropy mask (the paper's Mask-p off)
   "edsd|$COSINE --fuse-intermediate-size 576" # EDFuse at the target's width (the paper's no-extra-parameters one)
   "edsd|$COSINE --layers 15,27"               # EAGLE-3's middle and top layers, EDSD's fusion
   "edsd|--lr 5e-4 $COSINE"
