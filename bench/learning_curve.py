@@ -213,7 +213,8 @@ def render(results: dict) -> str:
     """report.md: one row per point; when the points come from several runs (an ablation beside
     the main curve), a numbered list of their commands and a column naming each row's."""
     rows = sorted(results["points"], key=lambda r: (r["method"], r.get("variant", ""), r["conversations"]))
-    runs = list(dict.fromkeys(point_command(results, r) for r in rows))
+    commands = [point_command(results, r) for r in rows]
+    runs = list(dict.fromkeys(commands))
     several = len(runs) > 1
     lines = [f"# Learning curve: served τ (K={results['k']}, T=0) against training positions", "",
              f"Command: `{runs[0]}`  " if not several else f"Commands: the {len(runs)} runs listed below the table.  ",
@@ -224,14 +225,14 @@ def render(results: dict) -> str:
              "| method | conversations | positions | τ | τ (sequence) | acceptance per position | τ on seen prompts "
              "| train acc (last epoch) | training wall time |" + (" run |" if several else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if several else "")]
-    for r in rows:
+    for r, command in zip(rows, commands):
         name = r["method"] + (f" `{r['variant']}`" if r.get("variant") else "")
         sequence = f"{r['tau_sequence']:.3f}" if r.get("tau_sequence") else "-"
         lines.append(f"| {name} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | {sequence} | "
                      + " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
                      + (f" | {r['tau_seen']:.3f}" if "tau_seen" in r else " | -")
                      + f" | {r['train_acc_per_step'][0]:.2f} | {r['train_wall_s'] / 60:.1f} min |"
-                     + (f" {runs.index(point_command(results, r)) + 1} |" if several else ""))
+                     + (f" {runs.index(command) + 1} |" if several else ""))
     if several:
         lines += ["", *(f"{n}. `{command}`" for n, command in enumerate(runs, 1))]
     return "\n".join(lines) + "\n"

@@ -116,19 +116,21 @@ def test_plots_skip_speedups_without_a_baseline(tmp_path):
     assert [p.name for p in plots({"runs": with_derived(rows)}, tmp_path)] == ["speedup_vs_batch.png"]
 
 
+LEARNING_CURVE_MACHINE = {"processor": "CPU X", "cpu_instruction_set": "avx2", "cores": 2, "vllm": "0.32.0"}
+
+
 def test_learning_curve_report_and_plot(tmp_path):
     """The learning curve's table has one row per (method, size) with its positions and τ, names
     the machine and dtype, and the plot is written."""
     from bench.learning_curve import plot, render
 
-    machine = {"processor": "CPU X", "cpu_instruction_set": "avx2", "cores": 2, "vllm": "0.32.0"}
     points = [{"method": m, "conversations": n, "positions": n * 150, "tau": 1.2 + n / 1000 + (m == "edsd") / 10,
                "acceptance_per_pos": [0.2, 0.05, 0.01, 0.0], "drafts": 10, "dtype": "bfloat16",
                "train_wall_s": 60.0 * n / 64, "train_acc_per_step": [0.5, 0.4], "tau_seen": 1.5 + n / 1000}
               for m in ("eagle3", "edsd") for n in (64, 720)]
     points[0].pop("tau_seen")  # a point measured before the seen prompts were
     points[3]["tau_sequence"] = 1.9
-    results = {"command": "python -m bench.learning_curve --out x", "machine": machine, "k": 4,
+    results = {"command": "python -m bench.learning_curve --out x", "machine": LEARNING_CURVE_MACHINE, "k": 4,
                "held_out": "the bench's prompts", "seen": "the first 20 training prompts", "points": points}
     table = render(results)
     assert "CPU X (avx2), 2 cores" in table and "target served in bfloat16" in table
@@ -146,13 +148,12 @@ def test_learning_curve_report_names_each_runs_command():
     their command is the file's."""
     from bench.learning_curve import render
 
-    machine = {"processor": "CPU X", "cpu_instruction_set": "avx2", "cores": 2, "vllm": "0.32.0"}
     base = {"conversations": 64, "positions": 9600, "tau": 1.3, "acceptance_per_pos": [0.3, 0.0], "drafts": 10,
             "dtype": "float32", "train_wall_s": 60.0, "train_acc_per_step": [0.5, 0.4]}
     ablation = "python -m bench.learning_curve --out x --methods edsd '--train-extra=--lr 5e-4'"
     points = [{**base, "method": "eagle3"},
               {**base, "method": "edsd", "variant": "--lr 5e-4", "command": ablation}]
-    table = render({"command": "python -m bench.learning_curve --out x", "machine": machine, "k": 4,
+    table = render({"command": "python -m bench.learning_curve --out x", "machine": LEARNING_CURVE_MACHINE, "k": 4,
                     "held_out": "h", "points": points}).splitlines()
     assert "Commands: the 2 runs listed below the table.  " in table and not any("Command:" in r for r in table)
     assert table[-2:] == ["1. `python -m bench.learning_curve --out x`", f"2. `{ablation}`"]
