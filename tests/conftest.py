@@ -132,6 +132,20 @@ def drafting_steps(prompt: list[int], output: list[int], recorded: list) -> Iter
         context += accepted + 1
 
 
+def draft_agreement(prompts: list[list[int]], phase: dict, chains_for) -> tuple[int, int]:
+    """(draft tokens equal to ``chains_for``'s, draft tokens) over a recorded phase (one request
+    at a time): where exact parity cannot hold, such as float16 against the float32 reference."""
+    import torch
+
+    same = total = 0
+    for prompt, output, recorded in zip(prompts, phase["outputs"], phase["proposals"], strict=True):
+        chains = chains_for(torch.tensor([prompt + output]))
+        for context, draft, _accepted in drafting_steps(prompt, output, recorded):
+            same += sum(a == b for a, b in zip(draft, chains[context - 2].tolist(), strict=True))
+            total += len(draft)
+    return same, total
+
+
 def assert_drafts_match(prompts: list[list[int]], phase: dict, chains_for, k: int) -> int:
     """Every chain vLLM drafted in a recorded phase (one request at a time) equals
     ``chains_for(sequence)[p]``, the chain drafted from the context that ends at index p+1 of
@@ -319,6 +333,19 @@ def build_models(root: Path) -> dict:
         {name: root / name for name in ("llama-edsd", "llama-edsd-training", "llama-edsd-constant", "qwen3-edsd")}
     )
     return {**{k: str(v) for k, v in paths.items()}, "constant_token": constant}
+
+
+@pytest.fixture(scope="session")
+def massive_activation(tmp_path_factory) -> dict:
+    """A toy target whose first token carries 30,000 on one dimension (as SmolLM2-135M's carries
+    about 24,800), and an EDSD drafter whose fed-back state grows about tenfold per step: their
+    float32 values pass float16's 65,504 at every draft step (tests/unit/test_model_float16.py)."""
+    def build(root: Path) -> dict:
+        target = make_target(root / "target", seed=3, first_token_spike=30000.0)
+        make_drafter(target, root / "drafter", draft_vocab_size=256, fusion_gain=5.0)
+        return {"target": str(target), "drafter": str(root / "drafter")}
+
+    return build_once(tmp_path_factory, "massive-activation", build)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from conftest import (
     PROMPTS,
     assert_counters_match,
     assert_drafts_match,
+    draft_agreement,
     edsd_spec,
     greedy_phase,
     predicted_counters,
@@ -23,10 +24,24 @@ RUNNERS = {"v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "v1": {"VLLM_USE_V2_MODEL_RU
 SAMPLED_STEPS = 400
 
 
-def job(target: str, spec: dict | None, phases: list[dict], eager: bool) -> dict:
+def job(target: str, spec: dict | None, phases: list[dict], eager: bool, dtype: str = "float32") -> dict:
     return {"target": target, "speculative_config": spec,
-            "llm_kwargs": {"enforce_eager": eager, "dtype": "float32", "gpu_memory_utilization": 0.3},
+            "llm_kwargs": {"enforce_eager": eager, "dtype": dtype, "gpu_memory_utilization": 0.3},
             "phases": phases}
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_float16_with_cuda_graphs_beside_a_massive_first_token_activation(massive_activation, engine_runs, runner):
+    """EDSD's float32 stream in float16 (model/float16_range.py) under CUDA graphs: the drafts
+    are the float32 reference's, where float32 values pass 65,504 at every draft step."""
+    phases = [greedy_phase(prompts=PROMPTS, max_tokens=24, record_proposals=True)]
+    spec = edsd_spec(massive_activation["drafter"], K)
+    run = engine_runs(f"gpu-massive-activation-float16-{runner}",
+                      job(massive_activation["target"], spec, phases, eager=False, dtype="float16"),
+                      env=RUNNERS[runner])
+    chains_for = reference_chains(massive_activation["target"], massive_activation["drafter"], k=K)
+    same, total = draft_agreement(PROMPTS, run["phases"]["greedy"], chains_for)
+    assert total >= 8 * 10 * K and same / total >= 0.9, f"{same} of {total} draft tokens are the reference's"
 
 
 @pytest.mark.parametrize("runner", RUNNERS)

@@ -43,9 +43,11 @@ def write_specforge_checkpoint(
     with_embedding: bool = False,
     sharded: bool = False,
     seed: int = 0,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """An ``epoch_0_step_100``-style folder: config.json, model.safetensors (or two shards with an
-    index), and a ``training_state.pt`` that must never be unpickled. Returns the tensors."""
+    index), and a ``training_state.pt`` that must never be unpickled. Returns the tensors:
+    random, or ``weights`` (SpecForge's names) where given."""
     target = json.loads((Path(target_dir) / "config.json").read_text())
     d, m, vocab = target["hidden_size"], target["intermediate_size"], target["vocab_size"]
     heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
@@ -68,7 +70,7 @@ def write_specforge_checkpoint(
         return 0.5 + torch.rand(d, generator=g)
 
     used = torch.linspace(0, vocab - 1, draft_vocab_size).round().long()
-    tensors = {
+    tensors = dict(weights) if weights is not None else {
         "fc.weight": rand(d, 2 * d),
         "embnorm.weight": norm_weight(),
         "edfuse.gate_proj.weight": rand(m, d),

@@ -66,11 +66,14 @@ def make_target(
     train_steps: int = 0,
     chat_template: bool = True,
     max_position_embeddings: int = 2048,
+    first_token_spike: float = 0.0,
 ) -> Path:
     """A causal LM with a tokenizer, loadable by transformers and vLLM: random weights, or
     with ``train_steps`` a model fitted to the toy corpus (confident where it memorised); a
     base model's tokenizer, without a chat template, where ``chat_template`` is False; a
-    context of ``max_position_embeddings`` tokens."""
+    context of ``max_position_embeddings`` tokens. ``first_token_spike`` sets one dimension of
+    the BOS token's embedding to that value: the residual stream carries it through every
+    layer, like the massive first-token activation of real LLMs (SmolLM2-135M: about 24,800)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
@@ -98,6 +101,9 @@ def make_target(
     model = model_cls(config_cls(**common)).to(torch.float32)
     if train_steps:
         _fit_to_corpus(model, out_dir, train_steps)
+    if first_token_spike:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[common["bos_token_id"], 0] = first_token_spike
     model.save_pretrained(str(out_dir))
     return out_dir
 
@@ -133,9 +139,12 @@ def make_drafter(
     token_norm: str = RMSNORM,
     seed: int = 0,
     constant_token: int | None = None,
+    fusion_gain: float = 1.0,
 ) -> EDSDDraftModel:
     """A random EDSD drafter for a toy target, its token norm's weights random too (so that
-    a wrong norm or a wrong fold changes its drafts).
+    a wrong norm or a wrong fold changes its drafts). ``fusion_gain`` multiplies EDFuse's gate
+    and down projections: at 5 the fed-back state grows about tenfold per draft step, as a
+    trained EDSD drafter's grows about fivefold.
 
     With ``constant_token`` the drafter always proposes that token: the final norm is
     zero, so every draft logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
@@ -150,6 +159,8 @@ def make_drafter(
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0.0, 0.05)
+        model.edfuse.gate_proj.weight.mul_(fusion_gain)
+        model.edfuse.down_proj.weight.mul_(fusion_gain)
         for name, tensor in model.edfuse.token_norm.named_parameters():
             tensor.uniform_(0.5, 1.5) if name == "weight" else tensor.normal_(0.0, 0.1)
         vocab, draft_vocab = cfg.vocab_size, cfg.draft_vocab_size

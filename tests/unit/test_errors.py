@@ -253,15 +253,17 @@ print("served in", config.create_engine_config().model_config.dtype)
 """
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_16_bit_edsd_server_on_a_cpu_that_emulates_it_is_told_to_use_float32(models, dtype):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_16_bit_edsd_server_on_a_cpu_that_emulates_it_is_told_its_native_dtype(models, dtype):
     """One warning in vLLM's log (a process of its own: vLLM sets up its logging there), where
-    this CPU has no native bfloat16 and the engine computes in it; the dtype stays what was asked."""
-    from vllm_edsd.launch.engine import cpu_dtype
+    this CPU has no native instructions for the dtype the engine computes in, naming the dtype it
+    computes natively (bfloat16 where it can, else float32); the dtype stays what was asked."""
+    from vllm_edsd.launch.engine import cpu_computes_natively, cpu_dtype
 
     out = subprocess.run([sys.executable, "-c", ENGINE_CONFIG, str(models["llama"]),
                           json.dumps(spec(models["llama-edsd"])), dtype], capture_output=True, text=True, check=True)
     log = out.stdout + out.stderr
     assert f"served in torch.{dtype}" in log
-    assert log.count("by emulation") == (dtype == "bfloat16" and cpu_dtype() == "float32")
-    assert "by emulation" not in log or "serve with --dtype float32 here" in log
+    assert log.count("by emulation") == (not cpu_computes_natively(dtype))
+    assert "by emulation" not in log or f"computes {dtype} by emulation" in log
+    assert "by emulation" not in log or f"serve with --dtype {cpu_dtype()} here" in log

@@ -30,6 +30,7 @@ from vllm_edsd.checkpoint.config import DEFAULT_ROPE_THETA, LAYERNORM, SUPPORTED
 from vllm_edsd.checkpoint.files import cast_floating, iter_tensors, tensor_shapes, write_checkpoint
 from vllm_edsd.checkpoint.layouts import EDSD_TRAINING, Layout, is_side_tensor, read_drafter_config, unexpected_hint
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.model import float16_range
 
 DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}  # name -> torch dtype
 
@@ -144,6 +145,13 @@ class DraftDecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, u: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps) -> torch.Tensor:
+        dtype = self.input_layernorm.weight.dtype
+        if u.dtype != dtype:  # a float32 stream around a float16 layer (float16_range.py)
+            return float16_range.decoder_layer(
+                u, lambda x: self.self_attn(x, positions, kv), self.mlp,
+                (self.input_layernorm.weight, self.input_layernorm.eps),
+                (self.post_attention_layernorm.weight, self.post_attention_layernorm.eps), dtype,
+            )
         a = u + self.self_attn(self.input_layernorm(u), positions, kv)
         return a + self.mlp(self.post_attention_layernorm(a))
 
@@ -169,6 +177,9 @@ class EDFuse(nn.Module):
 
     def forward(self, g: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         e = token_embeds if self.token_norm is None else self.token_norm(token_embeds)
+        dtype = self.gate_proj.weight.dtype
+        if g.dtype != dtype:  # a float32 feature beside float16 weights (float16_range.py)
+            return float16_range.fuse(g, e, self.gate_proj, self.up_proj, self.down_proj, dtype)
         return self.down_proj(F.silu(self.gate_proj(g)) * self.up_proj(e))
 
 
@@ -243,13 +254,29 @@ class EDSDDraftModel(DraftHead):
         self.midlayer = DraftDecoderLayer(cfg)
 
     # ------------------------------------------------------------ forward
+    @property
+    def wide_stream(self) -> bool:
+        """Whether the residual stream runs in float32 beside the weights (float16_range.py)."""
+        return float16_range.needs_wide_stream(self.fc.weight.dtype)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` on the concatenated target features, as ``step`` reads its fed-back state."""
+        if not self.wide_stream:
+            return self.fc(features)
+        return float16_range.project(self.fc, features, self.fc.weight.dtype)
+
     def step(
         self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: returns (draft-vocab logits, pre-norm output fed back next step)."""
-        u = self.edfuse(g, self.embed_tokens(input_ids))
+        if not self.wide_stream:
+            a = self.midlayer(self.edfuse(g, self.embed_tokens(input_ids)), positions, kv)
+            return self.lm_head(self.norm(a)), a
+        dtype = self.fc.weight.dtype
+        u = self.edfuse(float16_range.load_state(g), self.embed_tokens(input_ids))
         a = self.midlayer(u, positions, kv)
-        return self.lm_head(self.norm(a)), a
+        logits = self.lm_head(float16_range.rms_norm(a, self.norm.weight, self.norm.eps).to(dtype))
+        return logits, float16_range.store_state(a, dtype)
 
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:

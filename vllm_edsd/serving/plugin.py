@@ -37,7 +37,7 @@ from vllm_edsd.checkpoint.files import tensor_shapes
 from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, detect_layout
 from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError, positive_int
-from vllm_edsd.launch.engine import cpu_dtype, on_cpu
+from vllm_edsd.launch.engine import NATIVE_CPU_FLAGS, cpu_computes_natively, cpu_dtype, on_cpu
 from vllm_edsd.model.edsd import check_tensors
 from vllm_edsd.serving import cpu_onednn, cpu_sampling, draft_length, lookup, preflight
 from vllm_edsd.serving.patching import (
@@ -254,12 +254,15 @@ def _checked_engine_config(original: Callable) -> Callable:
 
 def advise_cpu_dtype(dtype: str) -> None:
     """One warning where an EDSD server computes in a 16-bit dtype that this CPU emulates: every
-    drafter forward pays the emulation too, and float32 serves faster there (docs/serving.md,
-    "The dtype on a CPU"). The dtype stays the user's choice."""
-    if dtype in ("bfloat16", "float16") and on_cpu() and cpu_dtype() == "float32":
-        logger.warning("vllm-edsd: this CPU computes %s by emulation (it has neither AVX512-BF16 nor AMX), "
-                       "which slows the target and every drafter forward: serve with --dtype float32 here "
-                       "(docs/serving.md, \"The dtype on a CPU\")", dtype)
+    drafter forward pays the emulation too, and the CPU's native dtype serves faster there
+    (docs/serving.md, "The dtype on a CPU"). The dtype stays the user's choice."""
+    if not on_cpu() or cpu_computes_natively(dtype):
+        return
+    instead = cpu_dtype()
+    flags = " nor ".join(name.upper().replace("_", "-") for name in NATIVE_CPU_FLAGS[dtype])
+    logger.warning("vllm-edsd: this CPU computes %s by emulation (it has neither %s), which slows the target and "
+                   "every drafter forward: serve with --dtype %s here (docs/serving.md, \"The dtype on a CPU\")",
+                   dtype, flags, instead)
 
 
 def attach(proposer: Any) -> None:

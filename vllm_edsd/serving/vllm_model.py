@@ -6,7 +6,9 @@ type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
 
 * ``combine_hidden_states``: ``fc`` on the two aux hidden states (first draft step only);
 * ``forward``: EDFuse on (feature, token embedding), one stock Llama decoder layer, RMSNorm;
-  it returns (normed states for the logits, pre-norm states fed back to the next step);
+  it returns (normed states for the logits, pre-norm states fed back to the next step). In
+  float16 the residual stream runs in float32 and the fed-back state is stored compressed
+  (``model/float16_range.py``): float16's range is too short for EDSD's unnormalised stream;
 * ``compute_logits`` also records the draft entropy when the draft length is adaptive
   (``draft_length.py``).
 """
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
+from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -33,6 +37,7 @@ from vllm.model_executor.models.utils import WeightsMapper, get_draft_quant_conf
 from vllm_edsd.checkpoint.config import LAYERNORM, EDSDConfig, TargetFingerprint
 from vllm_edsd.checkpoint.layouts import EDSD_VLLM, KV_SCALE, ROPE_CACHES, unexpected_hint
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.model import float16_range
 from vllm_edsd.model.edsd import draft_entropy, expected_shapes
 from vllm_edsd.serving.draft_length import AdaptiveDraftLength
 
@@ -87,7 +92,9 @@ class EDSDDecoderLayer(LlamaDecoderLayer):
 
 
 class EDFuse(nn.Module):
-    """``down(silu(gate(g)) * up(norm(e)))``; gate/up column-parallel, down row-parallel."""
+    """``down(silu(gate(g)) * up(norm(e)))``; gate/up column-parallel, down row-parallel. The
+    down projection's partial sums are reduced here, after a float32 stream's rescaling
+    (``float16_range.fuse`` scales each rank's shard by its own power of two)."""
 
     def __init__(self, edsd: EDSDConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -99,8 +106,10 @@ class EDFuse(nn.Module):
             d, m, bias=False, quant_config=quant_config, prefix=f"{prefix}.token_up", return_bias=False
         )
         self.fuse_down = RowParallelLinear(
-            m, d, bias=False, quant_config=quant_config, prefix=f"{prefix}.fuse_down", return_bias=False
+            m, d, bias=False, quant_config=quant_config, prefix=f"{prefix}.fuse_down", return_bias=False,
+            reduce_results=False,
         )
+        self.tp_size = get_tensor_model_parallel_world_size()
         self.token_norm = None
         if not edsd.token_norm_folded:
             norm = nn.LayerNorm if edsd.token_norm == LAYERNORM else RMSNorm
@@ -109,7 +118,13 @@ class EDFuse(nn.Module):
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         if self.token_norm is not None:
             token_embeds = self.token_norm(token_embeds)
-        return self.fuse_down(F.silu(self.feature_gate(features)) * self.token_up(token_embeds))
+        if features.dtype == token_embeds.dtype:
+            fused = self.fuse_down(F.silu(self.feature_gate(features)) * self.token_up(token_embeds))
+        else:  # a float32 stream beside float16 weights
+            fused = float16_range.fuse(
+                features, token_embeds, self.feature_gate, self.token_up, self.fuse_down, token_embeds.dtype
+            )
+        return tensor_model_parallel_all_reduce(fused) if self.tp_size > 1 else fused
 
 
 @support_torch_compile(
@@ -144,6 +159,8 @@ class EDSDLlamaModel(nn.Module):
             ]
         )
         self.norm = RMSNorm(edsd.hidden_size, eps=edsd.rms_norm_eps)
+        self.dtype = vllm_config.model_config.dtype
+        self.wide_stream = float16_range.needs_wide_stream(self.dtype)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -157,10 +174,29 @@ class EDSDLlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if input_embeds is None:
             input_embeds = self.embed_input_ids(input_ids)
+        if self.wide_stream:
+            return self.forward_float32_stream(positions, float16_range.load_state(hidden_states), input_embeds)
         fused = self.edfuse(hidden_states, input_embeds)
         hidden_states, residual = self.layers[0](positions, fused, None)
         normed, prenorm = self.norm(hidden_states, residual)
         return normed, prenorm
+
+    def forward_float32_stream(
+        self, positions: torch.Tensor, state: torch.Tensor, input_embeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on a float32 residual stream around the float16 layers; the fed-back
+        state is returned as ``float16_range.store_state`` holds it."""
+        layer = self.layers[0]
+        prenorm = float16_range.decoder_layer(
+            self.edfuse(state, input_embeds),
+            lambda x: layer.self_attn(positions=positions, hidden_states=x),
+            layer.mlp,
+            (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+            (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+            self.dtype,
+        )
+        normed = float16_range.rms_norm(prenorm, self.norm.weight, self.norm.variance_epsilon).to(self.dtype)
+        return normed, float16_range.store_state(prenorm, self.dtype)
 
 
 class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
@@ -213,7 +249,9 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
         return logits
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.fc(hidden_states)
+        if not self.model.wide_stream:
+            return self.model.fc(hidden_states)
+        return float16_range.project(self.model.fc, hidden_states, self.model.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
