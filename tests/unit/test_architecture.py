@@ -43,8 +43,9 @@ ROOMS: dict[str, set[str]] = {
     "vllm_edsd": {"vllm_edsd.version", "vllm_edsd.serving"},  # the package itself: the vLLM plugin entry point
     "vllm_edsd.__main__": {"vllm_edsd.cli"},  # python -m vllm_edsd (torchrun -m vllm_edsd)
     "weights_convert": {"vllm_edsd.conversion", "vllm_edsd.cli"},
-    "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.data", "vllm_edsd.checkpoint", "vllm_edsd.launch",
-              "vllm_edsd.serving", "vllm_edsd.features", "vllm_edsd.training", "vllm_edsd.pipeline", "vllm_edsd.demo"},
+    "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.data", "vllm_edsd.checkpoint", "vllm_edsd.model",
+              "vllm_edsd.launch", "vllm_edsd.regeneration", "vllm_edsd.serving", "vllm_edsd.features",
+              "vllm_edsd.training", "vllm_edsd.pipeline", "vllm_edsd.demo"},
 }
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_edsd.checkpoint.config import LAYER_OUTPUT, RMSNORM, EDSDConfig, read_config_json
+from vllm_edsd.checkpoint.config import LAYER_INPUT, LAYER_OUTPUT, RMSNORM, EDSDConfig, read_config_json
 from vllm_edsd.errors import EDSDError, is_int
 
 
@@ -180,6 +180,26 @@ def read_drafter_config(path: str | Path, tensor_names: Iterable[str] = ()) -> t
     source = f"{path}/config.json"
     layout = detect_layout(raw, tensor_names, source=source)
     return layout, layout.read_config(raw, source=source)
+
+
+def read_eagle3_config(path: str | Path) -> tuple[EDSDConfig, tuple[int, int, int]]:
+    """An EAGLE-3 drafter directory's draft layer (as an ``EDSDConfig``, whose EDSD-only fields
+    it does not use) and its three aux layer ids (vLLM's convention), from the config.json
+    vLLM's ``"method": "eagle3"`` reads."""
+    raw = read_config_json(path)
+    source = f"{path}/config.json"
+    if not set(raw.get("architectures") or []) & set(EAGLE3.architectures):
+        raise EDSDError(f"{source}: not an EAGLE-3 drafter (architectures={raw.get('architectures')}; "
+                        f"expected one of {', '.join(EAGLE3.architectures)})")
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or len(set(ids)) != 3 or not all(is_int(i) and i >= 0 for i in ids):
+        raise EDSDError(f"{source}: field 'eagle_aux_hidden_state_layer_ids' must list three distinct non-negative "
+                        f"target layer ids, got {ids!r:.80}")
+    # EDSDConfig holds two aux layers, as `edsd train --method eagle3` builds it; the model keeps all three.
+    edsd = {"aux_layer_ids": sorted(ids)[:2], "aux_layer_id_convention": LAYER_INPUT,
+            "fuse_intermediate_size": raw.get("intermediate_size"), "token_norm": RMSNORM}
+    return EDSDConfig.from_dict({**raw, "edsd_config": edsd}, source=source), tuple(sorted(ids))
 
 
 # Tensors exporters write beside the weights: RoPE caches (never read; vLLM's loaders drop them)

@@ -15,7 +15,7 @@ from torch import nn
 
 from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.checkpoint.files import cast_floating, write_checkpoint
-from vllm_edsd.checkpoint.layouts import EAGLE3
+from vllm_edsd.checkpoint.layouts import EAGLE3, Layout, read_eagle3_config
 from vllm_edsd.model.edsd import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
 
 
@@ -38,11 +38,11 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class Eagle3DraftModel(DraftHead):
-    """Same interface as ``EDSDDraftModel`` (project / step / d2t) so one trainer serves both."""
+    """Same interface as ``EDSDDraftModel`` (project / step / d2t / propose / from_pretrained) so
+    one trainer and one instrument serve both."""
 
     def __init__(self, cfg: EDSDConfig, aux_layer_ids: tuple[int, int, int]) -> None:
-        super().__init__(cfg, num_aux=3)
-        self.aux_layer_ids = tuple(sorted(aux_layer_ids))
+        super().__init__(cfg, aux_layer_ids)
         self.midlayer = Eagle3DecoderLayer(cfg)
 
     def step(self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps):
@@ -66,3 +66,9 @@ class Eagle3DraftModel(DraftHead):
         if cfg.draft_vocab_size == cfg.vocab_size:  # vLLM then has no draft-to-target map to load
             tensors.pop("d2t"), tensors.pop("t2d")
         write_checkpoint(path, raw, cast_floating(tensors, DTYPES[dtype]))
+
+    @classmethod
+    def unloaded(cls, path: str | Path) -> tuple[Layout, Eagle3DraftModel]:
+        """An EAGLE-3 drafter directory in the layout vLLM's ``"method": "eagle3"`` loads."""
+        cfg, aux_layer_ids = read_eagle3_config(path)
+        return EAGLE3, cls(cfg, aux_layer_ids)

@@ -191,11 +191,16 @@ def expected_shapes(cfg: EDSDConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def check_tensors(cfg: EDSDConfig, shapes: Mapping[str, tuple[int, ...]], layout: Layout, *, source: str) -> None:
+def check_tensors(
+    cfg: EDSDConfig, shapes: Mapping[str, tuple[int, ...]], layout: Layout, *, source: str,
+    model_shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
     """Refuse a checkpoint whose tensor names or shapes do not fit ``cfg``, naming the tensor
     as the checkpoint names it. The shared embedding is optional unless the token norm is
-    folded into it; ``d2t``/``t2d`` are optional when the draft vocabulary is the full one."""
-    expected = layout.rename_from_canonical(expected_shapes(cfg))
+    folded into it; ``d2t``/``t2d`` are optional when the draft vocabulary is the full one.
+    ``model_shapes`` are the canonical shapes of the drafter to load (default: EDSD's for ``cfg``;
+    an EAGLE-3 drafter passes its own)."""
+    expected = layout.rename_from_canonical(model_shapes or expected_shapes(cfg))
     shapes = {name: shape for name, shape in shapes.items() if not is_side_tensor(name)}
     optional = set() if cfg.token_norm_folded else {"embed_tokens.weight"}
     if cfg.draft_vocab_size == cfg.vocab_size:
@@ -215,17 +220,26 @@ def check_tensors(cfg: EDSDConfig, shapes: Mapping[str, tuple[int, ...]], layout
             raise EDSDError(f"{source}: tensor '{name}' has shape {list(shape)}, expected {list(expected[name])}{hint}")
 
 
-class DraftHead(nn.Module):
-    """What every EAGLE-style drafter here has: the target's frozen embedding, ``fc`` over
-    ``num_aux`` concatenated target features, the final norm, the draft-vocab head and the
-    ``d2t``/``t2d`` vocabulary maps. Subclasses add the layer(s) and ``step``."""
+def draft_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each row's softmax, at temperature 1; -inf logits (tokens outside
+    the draft vocabulary, in vLLM's target-vocab logits) contribute nothing."""
+    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(dim=-1)
 
-    def __init__(self, cfg: EDSDConfig, num_aux: int) -> None:
+
+class DraftHead(nn.Module):
+    """What every EAGLE-style drafter here has: the target's frozen embedding, ``fc`` over the
+    concatenated target features of ``aux_layer_ids`` (vLLM's convention), the final norm, the
+    draft-vocab head and the ``d2t``/``t2d`` vocabulary maps; the draft chains (``propose``) and
+    the loading of a drafter directory (``from_pretrained``). Subclasses add the draft layer
+    (``midlayer``), ``step`` and ``unloaded``."""
+
+    def __init__(self, cfg: EDSDConfig, aux_layer_ids: tuple[int, ...]) -> None:
         super().__init__()
         self.config = cfg
+        self.aux_layer_ids = tuple(sorted(aux_layer_ids))  # the target features ``fc`` reads, in this order
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = nn.Linear(len(aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -238,51 +252,18 @@ class DraftHead(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-
-def draft_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of each row's softmax, at temperature 1; -inf logits (tokens outside
-    the draft vocabulary, in vLLM's target-vocab logits) contribute nothing."""
-    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(dim=-1)
-
-
-class EDSDDraftModel(DraftHead):
-    """The EDSD drafter. Parameter names are those of the training layout (docs/formats.md, "Training layout")."""
-
-    def __init__(self, cfg: EDSDConfig) -> None:
-        super().__init__(cfg, num_aux=2)
-        self.edfuse = EDFuse(cfg)
-        self.midlayer = DraftDecoderLayer(cfg)
-
-    # ------------------------------------------------------------ forward
-    @property
-    def wide_stream(self) -> bool:
-        """Whether the residual stream runs in float32 beside the weights (float16_range.py)."""
-        return float16_range.needs_wide_stream(self.fc.weight.dtype)
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """``fc`` on the concatenated target features, as ``step`` reads its fed-back state."""
-        if not self.wide_stream:
-            return self.fc(features)
-        return float16_range.project(self.fc, features, self.fc.weight.dtype)
-
     def step(
         self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: returns (draft-vocab logits, pre-norm output fed back next step)."""
-        if not self.wide_stream:
-            a = self.midlayer(self.edfuse(g, self.embed_tokens(input_ids)), positions, kv)
-            return self.lm_head(self.norm(a)), a
-        dtype = self.fc.weight.dtype
-        u = self.edfuse(float16_range.load_state(g), self.embed_tokens(input_ids))
-        a = self.midlayer(u, positions, kv)
-        logits = self.lm_head(float16_range.rms_norm(a, self.norm.weight, self.norm.eps).to(dtype))
-        return logits, float16_range.store_state(a, dtype)
+        raise NotImplementedError
 
+    # ------------------------------------------------------------ draft chains
     @torch.no_grad()
     def propose(self, features: torch.Tensor, next_tokens: torch.Tensor, num_steps: int) -> torch.Tensor:
         """Greedy draft chains for every prefix at once.
 
-        ``features`` [B, T, 2·d_t] are the target features of positions 0..T-1 and
+        ``features`` [B, T, n·d_t] are the target features of positions 0..T-1 and
         ``next_tokens`` [B, T] the tokens x_1..x_T. Returns target-vocab ids [B, T, K]:
         row p is the chain an engine drafts when the context ends with x_{p+1}.
         """
@@ -314,6 +295,70 @@ class EDSDDraftModel(DraftHead):
         return self.step(self.project(features), next_tokens, positions, KeyValueSteps())[0]
 
     # ------------------------------------------------------------ weights
+    def load_tensors(self, tensors: dict[str, torch.Tensor], layout: Layout, *, source: str) -> None:
+        """Load a checkpoint's tensors (``layout``'s names); every parameter exactly once."""
+        own = {name: tuple(tensor.shape) for name, tensor in self.state_dict().items()}
+        check_tensors(self.config, {k: tuple(v.shape) for k, v in tensors.items()}, layout, source=source,
+                      model_shapes=own)
+        weights = {
+            k: v for k, v in tensors.items() if not is_side_tensor(k)
+        }  # RoPE caches, KV scales: not weights here
+        self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(weights)})
+
+    @classmethod
+    def unloaded(cls, path: str | Path) -> tuple[Layout, DraftHead]:
+        """The layout of the drafter directory ``path`` and a drafter of its shape, weights not loaded yet."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> DraftHead:
+        """Load a drafter directory (the layouts ``unloaded`` reads). ``embed_tokens`` is the
+        target's embedding table, used unless the checkpoint carries a table of its own."""
+        layout, model = cls.unloaded(path)
+        tensors = dict(iter_tensors(path))
+        if "embed_tokens.weight" not in tensors:
+            if embed_tokens is None:
+                raise EDSDError(f"{path}: the drafter shares the target's embedding; pass the target's table")
+            tensors["embed_tokens.weight"] = embed_tokens
+        model.load_tensors(tensors, layout, source=str(path))
+        return model.to(dtype).eval()
+
+
+class EDSDDraftModel(DraftHead):
+    """The EDSD drafter. Parameter names are those of the training layout (docs/formats.md, "Training layout")."""
+
+    def __init__(self, cfg: EDSDConfig) -> None:
+        super().__init__(cfg, cfg.aux_layer_ids)
+        self.edfuse = EDFuse(cfg)
+        self.midlayer = DraftDecoderLayer(cfg)
+
+    @property
+    def wide_stream(self) -> bool:
+        """Whether the residual stream runs in float32 beside the weights (float16_range.py)."""
+        return float16_range.needs_wide_stream(self.fc.weight.dtype)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` on the concatenated target features, as ``step`` reads its fed-back state."""
+        if not self.wide_stream:
+            return self.fc(features)
+        return float16_range.project(self.fc, features, self.fc.weight.dtype)
+
+    def step(
+        self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: returns (draft-vocab logits, pre-norm output fed back next step)."""
+        if not self.wide_stream:
+            a = self.midlayer(self.edfuse(g, self.embed_tokens(input_ids)), positions, kv)
+            return self.lm_head(self.norm(a)), a
+        dtype = self.fc.weight.dtype
+        u = self.edfuse(float16_range.load_state(g), self.embed_tokens(input_ids))
+        a = self.midlayer(u, positions, kv)
+        logits = self.lm_head(float16_range.rms_norm(a, self.norm.weight, self.norm.eps).to(dtype))
+        return logits, float16_range.store_state(a, dtype)
+
+    # ------------------------------------------------------------ weights
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors to save: everything but the embedding shared with the target."""
         keep_embed = self.config.token_norm_folded  # then the table is LN(E), the drafter's own
@@ -321,14 +366,6 @@ class EDSDDraftModel(DraftHead):
         if self.config.draft_vocab_size == self.config.vocab_size:
             state.pop("d2t"), state.pop("t2d")
         return state
-
-    def load_tensors(self, tensors: dict[str, torch.Tensor], layout: Layout, *, source: str) -> None:
-        """Load a checkpoint's tensors (``layout``'s names); every parameter exactly once."""
-        check_tensors(self.config, {k: tuple(v.shape) for k, v in tensors.items()}, layout, source=source)
-        weights = {
-            k: v for k, v in tensors.items() if not is_side_tensor(k)
-        }  # RoPE caches, KV scales: not weights here
-        self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(weights)})
 
     def save_pretrained(self, path: str | Path, *, layout: Layout = EDSD_TRAINING, dtype: str | None = None) -> None:
         """Write ``config.json`` and ``model.safetensors`` in ``layout`` (training or vLLM)."""
@@ -338,18 +375,7 @@ class EDSDDraftModel(DraftHead):
         write_checkpoint(path, raw, cast_floating(tensors, DTYPES[dtype]))
 
     @classmethod
-    def from_pretrained(
-        cls, path: str | Path, *, embed_tokens: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
-    ) -> EDSDDraftModel:
-        """Load a drafter directory of any EDSD layout (this project's, SpecForge's, vLLM's).
-        ``embed_tokens`` is the target's embedding table, used unless the checkpoint carries
-        a table of its own."""
+    def unloaded(cls, path: str | Path) -> tuple[Layout, EDSDDraftModel]:
+        """Any EDSD layout (this project's, SpecForge's, vLLM's)."""
         layout, cfg = read_drafter_config(path, tensor_shapes(path))
-        model = cls(cfg)
-        tensors = dict(iter_tensors(path))
-        if "embed_tokens.weight" not in tensors:
-            if embed_tokens is None:
-                raise EDSDError(f"{path}: the drafter shares the target's embedding; pass the target's table")
-            tensors["embed_tokens.weight"] = embed_tokens
-        model.load_tensors(tensors, layout, source=str(path))
-        return model.to(dtype).eval()
+        return layout, cls(cfg)

@@ -45,22 +45,32 @@ def greedy_replies(
     return greedy_answers(model, tokenizer, prompts, max_tokens, token_budget=token_budget)
 
 
-@torch.inference_mode()
 def greedy_answers(
     model, tokenizer, prompts: list[list[int]], max_tokens: int, *, token_budget: int = 65536,
     window: int | None = None,
 ) -> list[str]:
-    """The target's greedy answer to each prompt of token ids. With ``window`` (the target's
-    context), no sequence of a batch grows past it: the batch's answers stop where its longest
-    prompt (left-padded, every row's length) reaches the context, as vLLM stops a request at its
-    ``max_model_len``; a prompt must be shorter than ``window``."""
+    """The target's greedy answer to each prompt of token ids, as text (``greedy_answer_ids``)."""
+    answers = greedy_answer_ids(model, tokenizer, prompts, max_tokens, token_budget=token_budget, window=window)
+    return [tokenizer.decode(answer, skip_special_tokens=True) for answer in answers]
+
+
+@torch.inference_mode()
+def greedy_answer_ids(
+    model, tokenizer, prompts: list[list[int]], max_tokens: int, *, token_budget: int = 65536,
+    window: int | None = None,
+) -> list[list[int]]:
+    """The target's greedy answer to each prompt of token ids, as the token ids it generated up
+    to its first end token. With ``window`` (the target's context), no sequence of a batch grows
+    past it: the batch's answers stop where its longest prompt (left-padded, every row's length)
+    reaches the context, as vLLM stops a request at its ``max_model_len``; a prompt must be
+    shorter than ``window``."""
     stops = end_tokens(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
     device = next(model.parameters()).device
     # greedy and nothing else, as vLLM's explicit SamplingParams(temperature=0): no processor
     # (repetition penalty...) from the checkpoint's generation_config.json
     plain = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(stops), pad_token_id=pad)
-    replies = [""] * len(prompts)
+    answers: list[list[int]] = [[] for _ in prompts]
     for batch in tqdm(length_batches([len(p) for p in prompts], max_tokens, token_budget),
                       desc="answering", unit="batch"):
         width = len(prompts[batch[0]])
@@ -75,5 +85,5 @@ def greedy_answers(
         for row, i in enumerate(batch):
             answer = out[row, width:].tolist()
             ends = [k for k, token in enumerate(answer) if token in stops]
-            replies[i] = tokenizer.decode(answer[: ends[0]] if ends else answer, skip_special_tokens=True)
-    return replies
+            answers[i] = answer[: ends[0]] if ends else answer
+    return answers

@@ -66,7 +66,7 @@ def predict(drafter, target_model, generations: list[tuple[list[int], list[int]]
     """Counters the reference ``drafter`` predicts for (prompt, greedy output) pairs; with
     ``max_entropy``, under the adaptive draft length; with ``caps``, each generation's drafts
     at most its cap long (a per-request draft length, ``serving/draft_length.py``)."""
-    layer_ids = drafter.config.aux_layer_ids
+    layer_ids = drafter.aux_layer_ids
     results = []
     for i, (prompt, output) in enumerate(generations):
         sequence = prompt + output
@@ -84,7 +84,7 @@ def first_draft_acceptance(drafter, target_model, sequence: Sequence[int], tempe
     """For each context x_0..x_{p+1} of ``sequence`` (row p, as in ``predict``), the
     probability that a first draft sampled from the drafter at ``temperature`` is accepted:
     Σ_x min(p_target(x), q_draft(x)), both distributions at ``temperature``."""
-    layer_ids = drafter.config.aux_layer_ids
+    layer_ids = drafter.aux_layer_ids
     ids = torch.tensor([list(sequence)])
     outputs = run_target(target_model, ids, layer_ids)
     features = outputs.features(layer_ids).to(next(drafter.parameters()).dtype)
