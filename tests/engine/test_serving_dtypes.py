@@ -105,15 +105,17 @@ def test_specforge_checkpoint_converted_accepts_in_float16_as_in_float32(demo_pr
 
 
 @pytest.mark.vllm_range
-def test_float16_drafts_beside_a_massive_first_token_activation(massive_activation, engine_runs):
-    """Float32 values pass 65,504 at every draft step here; served in float16, the drafts are the
-    float32 reference's on the text the engine wrote."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_drafts_beside_a_massive_first_token_activation(massive_activation, engine_runs, dtype):
+    """Float32 values pass 65,504 at every draft step here; served in each dtype, the drafts are
+    the float32 reference's on the text the engine wrote (a random drafter accepts nothing, so
+    its drafts, not its acceptance, are compared)."""
     job = {"target": massive_activation["target"],
            "speculative_config": edsd_spec(massive_activation["drafter"], CAPPED_K),
-           "llm_kwargs": {"enforce_eager": True, "dtype": "float16"},
+           "llm_kwargs": {"enforce_eager": True, "dtype": dtype},
            "phases": [greedy_phase(prompts=PROMPTS, max_tokens=24, record_proposals=True)]}
-    phase = engine_runs("massive-activation-float16", job)["phases"]["greedy"]
+    phase = engine_runs(f"massive-activation-{dtype}", job)["phases"]["greedy"]
     chains_for = reference_chains(massive_activation["target"], massive_activation["drafter"], k=CAPPED_K)
     same, total = draft_agreement(PROMPTS, phase, chains_for)
     assert total >= 8 * 10 * CAPPED_K
-    assert same / total >= 0.9, f"{same} of {total} float16 draft tokens are the float32 reference's"
+    assert same / total >= 0.9, f"{same} of {total} {dtype} draft tokens are the float32 reference's"
