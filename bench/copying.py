@@ -1,5 +1,5 @@
 """``python -m bench.copying``: how much of each drafter's accuracy is copying from the context,
-the measurement behind issue 56 (what EDSD's gap to EAGLE-3 is made of). No vLLM, no training.
+which is what EDSD's gap to EAGLE-3 is made of. No vLLM, no training.
 
 The target answers the bench's held-out prompts greedily (transformers, float32, its chat
 template); each drafter then drafts over those sequences from the target's real features, every

@@ -1,4 +1,4 @@
-"""The copying instrument (``python -m bench.copying``, issue 56): the bigram split on hand-made
+"""The copying instrument (``python -m bench.copying``): the bigram split on hand-made
 token lists, drafters whose answers are known (one that copies perfectly, one that cannot)
 measured through the instrument's own path, and the real EDSD and EAGLE-3 drafters run end to
 end on a toy target."""
