@@ -3,7 +3,8 @@ pair's per-position acceptance at K=4 and K=7 within 0.05 of float32's, and, on 
 whose first token carries a massive activation, float16 drafts that are the float32 reference's.
 
 EDSD's residual stream leaves float16's range from the first draft step (model/float16_range.py);
-before the float32 stream its float16 drafts collapsed (first position 0.08 against 0.41)."""
+before the float32 stream its float16 drafts collapsed (the bench's held-out prompts, K=4: first
+position 0.019 against float32's 0.381)."""
 
 from __future__ import annotations
 
