@@ -1,6 +1,6 @@
 """EDSD and EAGLE-3 served in every dtype a user can pick (float16, bfloat16, float32): the demo
 pair's per-position acceptance at K=4 and K=7 within 0.05 of float32's, and, on a toy target
-whose first token carries a massive activation, float16 drafts that are the float32 reference's.
+whose first token carries a massive activation, drafts in every dtype that are the float32 reference's.
 
 EDSD's residual stream leaves float16's range from the first draft step (model/float16_range.py);
 before the float32 stream its float16 drafts collapsed (the bench's held-out prompts, K=4: first
