@@ -1,5 +1,5 @@
 """The draft-cost suite: what one draft step costs against one target step, read from vLLM's
-own profiler (issue #25, part 5).
+own profiler.
 
 For each method, compilation mode and dtype, one engine generates for one chat prompt (batch 1,
 greedy, ignoring EOS) under vLLM's torch profiler, with vLLM's ``record_function`` scopes on

@@ -1,6 +1,6 @@
 """``python -m bench.learning_curve``: served τ against training positions, EDSD and EAGLE-3
 trained the same way (the demo recipe of ``edsd build-demo``), so the training budget is chosen
-from a measurement (issue #25, docs/architecture.md "Data flow").
+from a measurement (docs/architecture.md "Data flow").
 
 Stages, each skipped when its output exists (rerun the same command to resume); everything
 but the results lives under ``--work`` (default ``~/.cache/vllm-edsd/learning-curve``):

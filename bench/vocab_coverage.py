@@ -2,7 +2,7 @@
 draft vocabulary of each size holds, when it is built as ``edsd train`` builds it (the most
 frequent answer tokens of the training conversations). A token outside it can never be
 drafted, so coverage bounds acceptance at every position; the draft vocabulary's size is
-chosen from this (issue #25, part 4), not guessed. Tokenizer only: seconds, no model.
+chosen from this, not guessed. Tokenizer only: seconds, no model.
 
 The conversations are split in order: the first ``--train`` build the vocabulary, the last
 ``--held-out`` are measured. Both are rendered with the chat template and cut at

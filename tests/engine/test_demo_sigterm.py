@@ -1,5 +1,4 @@
-"""Issue 26, hardening round 2: ``edsd demo`` stopped by SIGTERM leaves no server child behind
-(the rest of that round is tests/unit/test_hardening.py)."""
+"""``edsd demo`` stopped by SIGTERM leaves no server child behind."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 26, hardening round 2: bad input is one clear line before any engine starts, nothing
+"""Bad input is one clear line before any engine starts, nothing
 is deleted that the user did not name, no output or interruption leaves debris behind.
 Each test fails on the code before the fix."""
 
