@@ -9,10 +9,10 @@ import json
 
 import pytest
 import torch
+from support.toy import make_drafter, make_target, target_config
 from torch import nn
 
 from bench import copying
-from tests.support.toy import make_drafter, make_target, target_config
 from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.model.eagle3 import Eagle3DraftModel
 from vllm_edsd.model.edsd import DraftHead
