@@ -40,16 +40,18 @@ def on_cpu() -> bool:
 NATIVE_CPU_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
 
 
+def cpu_flags() -> set[str]:
+    """The words of ``/proc/cpuinfo`` (its flags among them); empty where it cannot be read."""
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
 def cpu_computes_natively(dtype: str) -> bool:
     """Whether this CPU computes ``dtype`` natively: float32 always, a 16-bit dtype where
     ``/proc/cpuinfo`` lists one of its ``NATIVE_CPU_FLAGS``."""
-    if dtype not in NATIVE_CPU_FLAGS:
-        return True
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return any(flag in flags for flag in NATIVE_CPU_FLAGS[dtype])
+    return dtype not in NATIVE_CPU_FLAGS or bool(cpu_flags() & set(NATIVE_CPU_FLAGS[dtype]))
 
 
 def cpu_dtype() -> str:
@@ -65,9 +67,8 @@ def engine_dtype(llm) -> str:
 
 def cpu_instruction_set() -> str:
     """The CPU's widest matrix instructions, which decide bf16's speed and rounding here."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
+    flags = cpu_flags()
+    if not flags:
         return "unknown"
     found = [name for name in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if name in flags]
     return " ".join(found) or "none of amx_bf16, avx512_bf16, avx512f, avx2"
