@@ -235,8 +235,8 @@ def drafter_paths(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
 def load_drafters(paths: dict[str, str], target_model) -> dict:
     """Each drafter in float32, sharing the target's embedding, checked against the target."""
     from vllm_edsd.features.hidden_states import decoder_of, fingerprint
-    from vllm_edsd.model.eagle3 import Eagle3DraftModel
-    from vllm_edsd.model.edsd import EDSDDraftModel
+    from vllm_edsd.methods.eagle3.model import Eagle3DraftModel
+    from vllm_edsd.methods.edsd.model import EDSDDraftModel
 
     classes = {"edsd": EDSDDraftModel, "eagle3": Eagle3DraftModel}
     embed = decoder_of(target_model).embed_tokens.weight

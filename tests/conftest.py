@@ -20,7 +20,7 @@ from support.specforge_layout import specforge_chains, write_specforge_checkpoin
 from support.toy import make_drafter, make_target, toy_corpus
 
 from vllm_edsd.checkpoint.config import LAYERNORM, RMSNORM
-from vllm_edsd.checkpoint.layouts import EDSD_TRAINING
+from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING
 from vllm_edsd.training.acceptance import replay, total
 from weights_convert import convert
 
@@ -173,7 +173,7 @@ def reference_chains(target_dir: str, source: str, specforge: bool = False, k: i
 
     from vllm_edsd.features.hidden_states import run_target
     from vllm_edsd.launch.transformers_target import load_target
-    from vllm_edsd.model.edsd import EDSDDraftModel
+    from vllm_edsd.methods.edsd.model import EDSDDraftModel
 
     target = load_target(target_dir)
     drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
@@ -270,7 +270,7 @@ def predicted_counters(trained: dict, outputs: list[list[int]], k: int, max_entr
     predicts for these greedy outputs of ``trained["prompts"]`` (with ``max_entropy``: under
     the adaptive draft length; with ``caps``: each request's draft-length cap)."""
     from vllm_edsd.launch.transformers_target import load_target
-    from vllm_edsd.model.edsd import EDSDDraftModel
+    from vllm_edsd.methods.edsd.model import EDSDDraftModel
     from vllm_edsd.training.acceptance import predict
 
     target = load_target(trained["target"])

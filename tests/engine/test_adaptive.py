@@ -32,7 +32,7 @@ from vllm_edsd.features.hidden_states import run_target
 from vllm_edsd.launch.engine import parse_prometheus_counters
 from vllm_edsd.launch.server import running_server
 from vllm_edsd.launch.transformers_target import load_target
-from vllm_edsd.model.edsd import EDSDDraftModel
+from vllm_edsd.methods.edsd.model import EDSDDraftModel
 from vllm_edsd.training.acceptance import kept_lengths
 
 K = 4

@@ -32,7 +32,7 @@ def job(target: str, spec: dict | None, phases: list[dict], eager: bool, dtype: 
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_float16_with_cuda_graphs_beside_a_massive_first_token_activation(massive_activation, engine_runs, runner):
-    """EDSD's float32 stream in float16 (model/float16_range.py) under CUDA graphs: the drafts
+    """EDSD's float32 stream in float16 (methods/edsd/float16_range.py) under CUDA graphs: the drafts
     are the float32 reference's, where float32 values pass 65,504 at every draft step."""
     phases = [greedy_phase(prompts=PROMPTS, max_tokens=24, record_proposals=True)]
     spec = edsd_spec(massive_activation["drafter"], K)

@@ -140,7 +140,7 @@ def test_edsd_sampled_acceptance_matches_the_reference(trained, sampled):
     standard deviations of that sum's expectation, plus 2% of the steps for float32 rounding
     between the reference and vLLM's kernels."""
     from vllm_edsd.launch.transformers_target import load_target
-    from vllm_edsd.model.edsd import EDSDDraftModel
+    from vllm_edsd.methods.edsd.model import EDSDDraftModel
     from vllm_edsd.training.acceptance import first_draft_acceptance
 
     phase = sampled("t1-edsd", speculative("edsd", trained["edsd"]))[RECORDED]

@@ -2,7 +2,7 @@
 pair's per-position acceptance at K=4 and K=7 within 0.05 of float32's, and, on a toy target
 whose first token carries a massive activation, drafts in every dtype that are the float32 reference's.
 
-EDSD's residual stream leaves float16's range from the first draft step (model/float16_range.py);
+EDSD's residual stream leaves float16's range from the first draft step (methods/edsd/float16_range.py);
 before the float32 stream its float16 drafts collapsed (the bench's held-out prompts, K=4: first
 position 0.019 against float32's 0.381)."""
 
@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from support.specforge_layout import write_specforge_checkpoint
 from transformers import AutoTokenizer
 
-from vllm_edsd.checkpoint.layouts import SPECFORGE_EDSD
 from vllm_edsd.demo.target import demo_target
 from vllm_edsd.launch.engine import cpu_dtype
-from vllm_edsd.model.edsd import EDSDDraftModel
+from vllm_edsd.methods.edsd.layouts import SPECFORGE_EDSD
+from vllm_edsd.methods.edsd.model import EDSDDraftModel
 from weights_convert import convert
 
 K = 7

@@ -17,7 +17,7 @@ import torch
 from support.toy import toy_corpus
 
 from vllm_edsd.cli import main
-from vllm_edsd.model.edsd import EDSDDraftModel
+from vllm_edsd.methods.edsd.model import EDSDDraftModel
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from vllm_edsd.checkpoint.config import RMSNORM, EDSDConfig
-from vllm_edsd.checkpoint.layouts import EDSD_VLLM, Layout
-from vllm_edsd.model.edsd import EDSDDraftModel
+from vllm_edsd.checkpoint.layouts import Layout
+from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
+from vllm_edsd.methods.edsd.model import EDSDDraftModel
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (

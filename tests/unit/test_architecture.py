@@ -22,28 +22,30 @@ ROOMS: dict[str, set[str]] = {
     "vllm_edsd.command": {"vllm_edsd.errors"},
     "vllm_edsd.data": {"vllm_edsd.errors"},
     "vllm_edsd.checkpoint": {"vllm_edsd.errors"},
-    "vllm_edsd.model": {"vllm_edsd.errors", "vllm_edsd.checkpoint"},
+    "vllm_edsd.methods": {"vllm_edsd.errors", "vllm_edsd.checkpoint"},
     "vllm_edsd.launch": {"vllm_edsd.errors", "vllm_edsd.checkpoint"},
     "vllm_edsd.regeneration": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.data", "vllm_edsd.launch"},
     "vllm_edsd.features": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.data", "vllm_edsd.launch",
                            "vllm_edsd.regeneration"},
     "vllm_edsd.selection": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.data", "vllm_edsd.launch",
                             "vllm_edsd.features"},
-    "vllm_edsd.serving": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.model", "vllm_edsd.launch"},
-    "vllm_edsd.conversion": {"vllm_edsd.errors", "vllm_edsd.version", "vllm_edsd.checkpoint", "vllm_edsd.model"},
-    "vllm_edsd.training": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.model", "vllm_edsd.data",
+    "vllm_edsd.serving": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.methods", "vllm_edsd.launch"},
+    "vllm_edsd.conversion": {"vllm_edsd.errors", "vllm_edsd.version", "vllm_edsd.checkpoint", "vllm_edsd.methods"},
+    "vllm_edsd.training": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.methods", "vllm_edsd.data",
                            "vllm_edsd.launch", "vllm_edsd.features"},
-    "vllm_edsd.pipeline": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.data",
+    "vllm_edsd.pipeline": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.methods",
+                           "vllm_edsd.data",
                            "vllm_edsd.selection", "vllm_edsd.regeneration", "vllm_edsd.features", "vllm_edsd.training",
                            "vllm_edsd.conversion"},
-    "vllm_edsd.demo": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.data",
+    "vllm_edsd.demo": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.methods",
+                       "vllm_edsd.data",
                        "vllm_edsd.launch", "vllm_edsd.training", "vllm_edsd.conversion", "vllm_edsd.pipeline"},
     "vllm_edsd.cli": {"vllm_edsd.command", "vllm_edsd.conversion", "vllm_edsd.selection", "vllm_edsd.regeneration",
                       "vllm_edsd.features", "vllm_edsd.training", "vllm_edsd.pipeline", "vllm_edsd.demo"},
     "vllm_edsd": {"vllm_edsd.version", "vllm_edsd.serving"},  # the package itself: the vLLM plugin entry point
     "vllm_edsd.__main__": {"vllm_edsd.cli"},  # python -m vllm_edsd (torchrun -m vllm_edsd)
     "weights_convert": {"vllm_edsd.conversion", "vllm_edsd.cli"},
-    "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.data", "vllm_edsd.checkpoint", "vllm_edsd.model",
+    "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.data", "vllm_edsd.checkpoint", "vllm_edsd.methods",
               "vllm_edsd.launch", "vllm_edsd.regeneration", "vllm_edsd.serving", "vllm_edsd.features",
               "vllm_edsd.training", "vllm_edsd.pipeline", "vllm_edsd.demo"},
 }
@@ -164,7 +166,7 @@ def test_the_graph_sees_function_level_and_string_imports():
     """The reader itself: a lazy import and an importlib table are edges."""
     assert "vllm_edsd.serving.plugin" in GRAPH["vllm_edsd"]  # inside register()
     assert "vllm_edsd.demo.build" in GRAPH["vllm_edsd.cli"]  # the subcommand table
-    assert "vllm_edsd.serving.vllm_model" in GRAPH["vllm_edsd.serving.plugin"]  # "module:Class"
+    assert "vllm_edsd.methods.edsd.vllm_model" in GRAPH["vllm_edsd.methods.edsd"]  # "module:Class"
 
 
 def test_the_package_does_not_import_its_entries_or_the_tests():

@@ -14,12 +14,12 @@ from safetensors.torch import load_file, save_file
 from support.toy import make_drafter
 
 from vllm_edsd.checkpoint.config import LAYERNORM, TOKEN_NORMS, EDSDConfig, decoder_layers
-from vllm_edsd.checkpoint.layouts import EDSD_TRAINING, read_drafter_config
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import run_target
 from vllm_edsd.launch.transformers_target import load_target
-from vllm_edsd.model.edsd import EDSDDraftModel
+from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING, read_edsd_config
+from vllm_edsd.methods.edsd.model import EDSDDraftModel
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_folded_and_unfolded_drafters_agree(models, training_ckpts, tmp_path, ca
         capsys, training_ckpts[norm], tmp_path / "folded", "--target", models["llama"], "--fold-token-norm"
     )
     assert code == 0 and f"token norm  {norm}, folded" in out
-    folded_cfg = read_drafter_config(tmp_path / "folded")[1]
+    folded_cfg = read_edsd_config(tmp_path / "folded")[1]
     assert folded_cfg.token_norm_folded and folded_cfg.token_norm == norm
     assert "edfuse.token_norm.weight" not in load_file(tmp_path / "folded" / "model.safetensors")
     target = load_target(models["llama"])
@@ -120,7 +120,7 @@ def test_folded_and_unfolded_drafters_agree(models, training_ckpts, tmp_path, ca
     features = run_target(target, sequence, plain.config.aux_layer_ids).features(plain.config.aux_layer_ids)
     g, tokens = plain.project(features[:, :-1]), sequence[:, 1:]
     positions = torch.arange(tokens.shape[1])[None]
-    from vllm_edsd.model.edsd import KeyValueSteps
+    from vllm_edsd.methods.blocks import KeyValueSteps
 
     logits_plain, _ = plain.step(g, tokens, positions, KeyValueSteps())
     logits_folded, _ = folded.step(g, tokens, positions, KeyValueSteps())

@@ -19,9 +19,9 @@ from conftest import edsd_spec as spec
 from safetensors.torch import load_file, save_file
 from support.toy import make_drafter
 
-from vllm_edsd.checkpoint.layouts import EDSD_TRAINING
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING
 from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, AdaptiveDraftLength
 from weights_convert import convert
 
@@ -364,13 +364,14 @@ def test_target_embedding_is_the_only_tensor_read(models, training_ckpt, tmp_pat
 def test_adaptive_attach_is_idempotent(models):
     from torch import nn
 
-    from vllm_edsd.serving.draft_length import DraftLengthLimiter, limiter_of
+    from vllm_edsd.methods.edsd.vllm_model import EDSDLlamaForCausalLM
+    from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, DraftLengthLimiter, limiter_of
     from vllm_edsd.serving.plugin import attach
-    from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM
 
     model = EDSDLlamaForCausalLM.__new__(EDSDLlamaForCausalLM)
     nn.Module.__init__(model)
-    model.adaptive, model.last_draft_entropy = AdaptiveDraftLength(0.2), None
+    model.config = SimpleNamespace(**{CONFIG_ATTRIBUTE: AdaptiveDraftLength(0.2).as_dict()})
+    model.last_draft_entropy = None
 
     def propose(*args, **kwargs):
         return "drafts"
@@ -385,6 +386,7 @@ def test_adaptive_attach_is_idempotent(models):
     assert proposer.propose == hook and isinstance(hook.__self__, DraftLengthLimiter)
     assert limiter_of(proposer) is hook.__self__
     assert hook.__self__._propose is propose
+    assert model.record_draft_entropy  # the adaptive rule switched the drafter's entropy record on
 
 
 def test_adaptive_length_without_the_drafters_entropy_is_a_clear_error():
@@ -392,8 +394,8 @@ def test_adaptive_length_without_the_drafters_entropy_is_a_clear_error():
     stale record is refused by an explicit check that ``python -O`` keeps."""
     from torch import nn
 
+    from vllm_edsd.methods.edsd.vllm_model import EDSDLlamaForCausalLM
     from vllm_edsd.serving.draft_length import DraftLengthLimiter
-    from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM
 
     model = EDSDLlamaForCausalLM.__new__(EDSDLlamaForCausalLM)
     nn.Module.__init__(model)

@@ -1,4 +1,4 @@
-"""EDSD in float16 (model/float16_range.py, model/range_probe.py): where the drafter's values
+"""EDSD in float16 (methods/edsd/float16_range.py, methods/edsd/range_probe.py): where the drafter's values
 leave float16's range, per draft step, and the reference drafter drafting in float16 what it
 drafts in float32, on the demo pair and on a toy target with a massive first-token activation."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import vllm_edsd.methods.edsd.float16_range as float16_range
 from vllm_edsd.demo.target import demo_target
 from vllm_edsd.features.hidden_states import run_target
 from vllm_edsd.launch.transformers_target import load_target
-from vllm_edsd.model import float16_range
-from vllm_edsd.model.edsd import EDSDDraftModel
-from vllm_edsd.model.range_probe import first_beyond_float16, step_peaks, value_ranges
+from vllm_edsd.methods.edsd.model import EDSDDraftModel
+from vllm_edsd.methods.edsd.range_probe import first_beyond_float16, step_peaks, value_ranges
 
 DEMO_EDSD = "vllm_edsd/assets/demo/edsd"
 STEPS = 4

@@ -18,7 +18,7 @@ from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import run_target
 from vllm_edsd.launch.transformers_target import load_target
-from vllm_edsd.model.edsd import EDSDDraftModel
+from vllm_edsd.methods.edsd.model import EDSDDraftModel
 
 K = 4
 VARIANTS = {

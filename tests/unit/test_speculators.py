@@ -12,9 +12,9 @@ import shutil
 import pytest
 from conftest import edited_copy, engine_config
 
-from vllm_edsd.checkpoint.layouts import EDSD_VLLM
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.serving.plugin import speculators_pre_trained_config
 
 SPECULATORS_KEYS = {"speculators_model_type", "speculators_config", "transformer_layer_config"}

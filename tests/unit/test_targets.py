@@ -22,9 +22,9 @@ from vllm_edsd.checkpoint.config import (
     read_config_json,
     sequence_length,
 )
-from vllm_edsd.checkpoint.layouts import EDSD_TRAINING
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING
 from vllm_edsd.regeneration import answers
 
 CONTEXT = 1024

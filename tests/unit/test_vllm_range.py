@@ -230,7 +230,7 @@ def test_the_edsd_alias_leaves_every_other_method_to_vllm():
 def test_the_drafter_sets_what_vllms_eagle3_init_would():
     """EDSDLlamaForCausalLM skips Eagle3LlamaForCausalLM.__init__ and sets its attributes itself:
     the script checks each release's __init__ against the recorded list, this checks ours."""
-    tree = ast.parse((ROOT / "vllm_edsd" / "serving" / "vllm_model.py").read_text())
+    tree = ast.parse((ROOT / "vllm_edsd" / "methods" / "edsd" / "vllm_model.py").read_text())
     drafter = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EDSDLlamaForCausalLM")
     init = next(n for n in drafter.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assert set(EAGLE3_ATTRIBUTES) <= check.attributes_set(init)

@@ -43,10 +43,14 @@ from vllm_edsd.checkpoint.files import (
     tensor_shapes,
     write_checkpoint,
 )
-from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, ROPE_CACHES, Layout, detect_layout
+from vllm_edsd.checkpoint.layouts import ROPE_CACHES, Layout
 from vllm_edsd.checkpoint.vocab import check_vocab_mapping
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.model.edsd import DTYPES, check_tensors, token_norm
+from vllm_edsd.methods import detect_layout
+from vllm_edsd.methods.blocks import DTYPES
+from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT
+from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
+from vllm_edsd.methods.edsd.model import check_tensors, token_norm
 from vllm_edsd.version import __version__
 
 TOKEN_NORM_PREFIX = "edfuse.token_norm."
@@ -231,7 +235,7 @@ def _source_layout(src: Path, raw: dict, shapes: dict) -> Layout:
     layout = detect_layout(raw, shapes, source=f"{src}/config.json")
     if layout is EDSD_VLLM:
         raise EDSDError(f"{src}: already in the vLLM layout; serve it directly")
-    if layout is EAGLE3:
+    if layout is EAGLE3_LAYOUT:
         raise EDSDError(f"{src}: an EAGLE-3 drafter, not EDSD: vLLM serves it as it is with \"method\": \"eagle3\"")
     return layout
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods import METHODS
 
-from .config import EXAMPLE, METHODS, load_config
+from .config import EXAMPLE, load_config
 from .stages import run_pipeline
 
 # The `edsd pipeline` subcommand (vllm_edsd.command).

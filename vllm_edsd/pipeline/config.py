@@ -20,6 +20,8 @@ from typing import Any
 from vllm_edsd.checkpoint.config import SUPPORTED_DTYPES, TOKEN_NORMS
 from vllm_edsd.errors import EDSDError, is_int, positive_int
 from vllm_edsd.features.shards import BACKENDS  # what runs the target for its features
+from vllm_edsd.methods import METHODS
+from vllm_edsd.methods.registry import EDSD
 
 EXAMPLE = """\
 # edsd pipeline smollm2.toml            (relative paths are relative to this file)
@@ -68,9 +70,6 @@ MINIMUM = "minimum"  # the least integer it may be
 CHOICES = "choices"  # the values it may take
 PATH = {RELATIVE: True}  # the metadata of a path field
 
-# The methods a drafter is trained with, and how many distinct target layers each one reads.
-METHOD_LAYERS = {"edsd": 2, "eagle3": 3}
-METHODS = tuple(METHOD_LAYERS)
 
 
 def count(default: int | None = None) -> Any:
@@ -113,15 +112,12 @@ class Layers:
     select_max_length: int | None = count()
 
 
-EDSD_ONLY = {"token_norm"}  # [train] keys of EDSD's architecture, not given to other methods
-
-
 @dataclass(frozen=True)
 class Train:
     """``[train]``: the methods, and the budget every one of them trains with: each key but
     ``methods`` is the ``edsd train`` flag of its name (``budget``)."""
 
-    methods: list[str] = field(default_factory=lambda: ["edsd"])
+    methods: list[str] = field(default_factory=lambda: [EDSD])
     # the sizes
     epochs: int | None = count()
     ttt_steps: int | None = count()
@@ -144,7 +140,8 @@ class Train:
 
     def budget(self, method: str) -> dict[str, Any]:
         """``method``'s ``edsd train`` flags, name -> value, in the order of the fields."""
-        left_out = {"methods"} | (set() if method == "edsd" else EDSD_ONLY)
+        others = {name for m in METHODS.values() if m.name != method for name in m.own_train_fields}
+        left_out = {"methods"} | (others - set(METHODS[method].own_train_fields))
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in left_out}
 
 
@@ -266,10 +263,10 @@ def check_meaning(where: Path, cfg: Config) -> None:
     methods = cfg.train.methods
     if not methods or len(set(methods)) != len(methods) or not set(methods) <= set(METHODS):
         raise EDSDError(f"{where}: train.methods must name distinct methods of {list(METHODS)}, got {methods}")
-    for method, count in METHOD_LAYERS.items():
-        ids = getattr(cfg.layers, method)
-        if ids is not None and len(set(ids)) != count:
-            raise EDSDError(f"{where}: layers.{method} must be {count} distinct layer ids, got {ids}")
+    for method in METHODS.values():
+        ids = getattr(cfg.layers, method.name)
+        if ids is not None and len(set(ids)) != method.aux_layers:
+            raise EDSDError(f"{where}: layers.{method.name} must be {method.aux_layers} distinct layer ids, got {ids}")
 
 
 def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> Config:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from vllm_edsd.checkpoint.files import finished_checkpoint
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods import METHODS
+from vllm_edsd.methods.registry import EDSD
 
 from .config import Config
 from .conversations import drafter_prompts, write_conversations
@@ -41,13 +43,17 @@ def feature_layers(cfg: Config, layers_json: Path) -> list[int]:
     """Every method's layers (EDSD's from EDSelect or the config, EAGLE-3's from the config or
     vLLM's default): the features all drafters train on, extracted once."""
     from vllm_edsd.checkpoint.config import decoder_layers
-    from vllm_edsd.training.drafter import eagle3_default_layers
 
     ids: set[int] = set()
-    if "edsd" in cfg.train.methods:
-        ids |= set(cfg.layers.edsd or json.loads(layers_json.read_text())["aux_layer_ids"])
-    if "eagle3" in cfg.train.methods:
-        ids |= set(cfg.layers.eagle3 or eagle3_default_layers(decoder_layers(cfg.target.path)))
+    for name in cfg.train.methods:
+        drafting = METHODS[name]
+        given = getattr(cfg.layers, name)
+        if given:
+            ids |= set(given)
+        elif drafting.default_layers is None:
+            ids |= set(json.loads(layers_json.read_text())["aux_layer_ids"])
+        else:
+            ids |= set(drafting.default_layers(decoder_layers(cfg.target.path)))
     return sorted(ids)
 
 
@@ -139,7 +145,7 @@ class Plan:
                 *plot, *flags(seed=self.train.seed, device=self.train.device)]
 
     def feature_ids(self) -> str:
-        if "edsd" in self.train.methods and not self.cfg.layers.edsd and not self.layers_json.is_file():
+        if EDSD in self.train.methods and not self.cfg.layers.edsd and not self.layers_json.is_file():
             return "LAYERS_FROM_SELECT"  # --dry-run before select: EDSelect's and the other methods' layers
         return joined(feature_layers(self.cfg, self.layers_json))
 
@@ -176,7 +182,7 @@ class Plan:
         if given:
             own = ["--layers", joined(given)]
         else:
-            own = ["--layers-from", str(self.layers_json)] if method == "edsd" else []
+            own = ["--layers-from", str(self.layers_json)] if METHODS[method].default_layers is None else []
         return ["train", self.target, "--out", str(out or self.work / method), "--method", method, *own,
                 "--data", str(self.data()), *flags(**self.train.budget(method)),
                 "--cache", str(self.work / "cache"), "--feature-layers", self.feature_ids(), *self.backend_flag()]
@@ -188,7 +194,7 @@ class Plan:
         out = self.cfg.output
         verifier = ["--verifier", self.cfg.target.verifier] if self.cfg.target.verifier else []
         dtype = ["--dtype", out.dtype] if out.dtype else []
-        return ["convert", str(self.work / "edsd" / "final"), str(self.converted()), "--target", self.target,
+        return ["convert", str(self.work / EDSD / "final"), str(self.converted()), "--target", self.target,
                 *verifier, *dtype, "--force"]
 
     def stages(self) -> list[Stage]:
@@ -203,7 +209,7 @@ class Plan:
                   None if data.regenerate else "data.regenerate is false"),
             command_stage("select", self.layers_json, self.layers_json.is_file, self.select_argv,
                           "layers.edsd given" if self.cfg.layers.edsd else
-                          None if "edsd" in methods else "no edsd in train.methods"),
+                          None if EDSD in methods else f"no {EDSD} in train.methods"),
             Stage("features", self.features_marker(), self.features_finished, self.extract_features,
                   lambda: "edsd " + shlex.join(self.features_argv())),
         ]
@@ -213,8 +219,8 @@ class Plan:
                                         lambda m=method: self.train_argv(m)))
         stages.append(command_stage("convert", self.converted(), lambda: finished_checkpoint(self.converted()),
                                     self.convert_argv,
-                                    None if "edsd" in methods and self.cfg.output.convert else
-                                    "output.convert is false" if "edsd" in methods else "no edsd drafter"))
+                                    None if EDSD in methods and self.cfg.output.convert else
+                                    "output.convert is false" if EDSD in methods else f"no {EDSD} drafter"))
         return stages
 
 

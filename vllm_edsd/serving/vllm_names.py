@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_edsd.checkpoint.layouts import EDSD_VLLM
+from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, LIMITER_ATTRIBUTE
 from vllm_edsd.serving.lookup import CONFIG_ATTRIBUTE as LOOKUP_ATTRIBUTE
 from vllm_edsd.serving.lookup import VLLM_KEYS as LOOKUP_KEYS
@@ -84,7 +84,7 @@ class VllmName:
 
 _PLUGIN = "serving/plugin.py"
 _LIMITER = "serving/draft_length.py"
-_MODEL = "serving/vllm_model.py"
+_MODEL = "methods/edsd/vllm_model.py"
 _CONNECTOR = "features/host_connector.py"
 _FEATURES = "features/vllm_extraction.py"
 _CPU_KERNELS = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
@@ -229,7 +229,7 @@ READ: tuple[VllmName, ...] = (
     *_of("vllm.model_executor.models.llama:LlamaDecoderLayer", _MODEL, ("", "self, vllm_config, ..., prefix, config"),
          ("forward", "self, positions, hidden_states, residual, ..."), ("get_quant_config", "self, vllm_config"),
          "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"),
-    # a float16 drafter's float32 stream calls the layer's parts itself (model/float16_range.py)
+    # a float16 drafter's float32 stream calls the layer's parts itself (methods/edsd/float16_range.py)
     *_of("vllm.model_executor.models.llama:LlamaAttention", _MODEL, ("forward", "self, positions, hidden_states")),
     *_of("vllm.model_executor.models.llama:LlamaMLP", _MODEL, ("forward", "self, x")),
     *_of("vllm.distributed.communication_op", _MODEL, ("tensor_model_parallel_all_reduce", "input_")),

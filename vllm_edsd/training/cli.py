@@ -19,6 +19,8 @@ from pathlib import Path
 
 from vllm_edsd.checkpoint.config import RMSNORM, TOKEN_NORMS
 from vllm_edsd.features.samples import add_data_arguments
+from vllm_edsd.methods import METHODS
+from vllm_edsd.methods.registry import EDSD
 
 from .distributed import DATA_PARALLEL, DDP, connect
 from .job import prepare
@@ -43,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("target", help="target model directory (transformers format)")
     parser.add_argument("--out", required=True, help="run directory: checkpoints, cache, train_log.jsonl")
-    parser.add_argument("--method", choices=("edsd", "eagle3"), default="edsd")
+    parser.add_argument("--method", choices=tuple(METHODS), default=EDSD)
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument("--layers", help="aux layer ids, vLLM convention: two for edsd, three for eagle3")
     layers.add_argument("--layers-from", help="the JSON written by `edsd select` (edsd only)")

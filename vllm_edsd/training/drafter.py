@@ -12,20 +12,15 @@ import torch
 from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import decoder_of
-from vllm_edsd.model.eagle3 import Eagle3DraftModel
-from vllm_edsd.model.edsd import EDSDDraftModel
-
-
-def eagle3_default_layers(num_layers: int) -> list[int]:
-    """vLLM's default aux layers for EAGLE-3."""
-    return [2, num_layers // 2, num_layers - 3]
+from vllm_edsd.methods import method
 
 
 def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]:
-    want = 2 if args.method == "edsd" else 3
+    drafting = method(args.method)
+    want = drafting.aux_layers
     if args.layers_from:
-        if args.method != "edsd":
-            raise EDSDError("--layers-from is EDSelect's choice for EDSD; pass --layers for eagle3")
+        if drafting.default_layers is not None:
+            raise EDSDError(f"--layers-from is EDSelect's choice for EDSD; pass --layers for {args.method}")
         try:
             ids = json.loads(Path(args.layers_from).read_text())["aux_layer_ids"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -35,10 +30,11 @@ def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]
             ids = [int(x) for x in args.layers.split(",")]
         except ValueError:
             raise EDSDError(f"--layers {args.layers!r}: expected comma-separated integers") from None
-    elif args.method == "eagle3":
-        ids = eagle3_default_layers(num_layers)
+    elif drafting.default_layers is not None:
+        ids = drafting.default_layers(num_layers)
     else:
-        raise EDSDError("EDSD needs its two aux layers: --layers-from (from `edsd select`) or --layers a,b")
+        raise EDSDError(f"{drafting.label} needs its {want} aux layers: --layers-from (from `edsd select`) "
+                        "or --layers a,b")
     if len(ids) != want or len(set(ids)) != want:
         raise EDSDError(f"{args.method} needs {want} distinct aux layer ids, got {ids}")
     if not all(0 <= i <= num_layers for i in ids):
@@ -49,13 +45,12 @@ def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]
 def build_model(args, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t, t2d):
     """The drafter, initialised from the target where shapes allow (same for both methods)."""
     draft_vocab = len(d2t)
-    edsd_layers = layers if args.method == "edsd" else layers[:2]
-    cfg = EDSDConfig.for_target(cfg_raw, edsd_layers, draft_vocab_size=draft_vocab,
+    cfg = EDSDConfig.for_target(cfg_raw, layers[:2], draft_vocab_size=draft_vocab,
                                 fuse_intermediate_size=args.fuse_intermediate_size,
                                 intermediate_size=args.intermediate_size, token_norm=args.token_norm,
                                 source=f"{args.target}/config.json")
     torch.manual_seed(args.seed)
-    model = EDSDDraftModel(cfg) if args.method == "edsd" else Eagle3DraftModel(cfg, layers)
+    model = method(args.method).model.build(cfg, layers)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(decoder_of(target_model).embed_tokens.weight)
         head = target_model.get_output_embeddings().weight

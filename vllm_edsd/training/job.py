@@ -21,6 +21,7 @@ from vllm_edsd.features.samples import (
 )
 from vllm_edsd.features.shards import aux_columns
 from vllm_edsd.launch.transformers_target import load_target
+from vllm_edsd.methods import method
 
 from .distributed import SINGLE, World
 from .drafter import build_model, resolve_layers
@@ -96,8 +97,8 @@ def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None 
     draft_head = target_model.get_output_embeddings().weight.detach()[torch.nonzero(t2d).flatten()].float()
     recipe = Recipe(method=args.method, epochs=args.epochs, max_ttt_steps=args.ttt_steps,
                     reading=args.edtrain_reading, gamma=args.gamma,
-                    mask_p=args.method == "edsd" and not args.no_mask_p,
-                    step_n=args.method == "edsd" and not args.no_step_n,
+                    mask_p=method(args.method).curriculum and not args.no_mask_p,
+                    step_n=method(args.method).curriculum and not args.no_step_n,
                     lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup, weight_decay=args.weight_decay,
                     batch_size=args.batch_size, seed=args.seed, feature_noise=args.feature_noise)
     if world.main:

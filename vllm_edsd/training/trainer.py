@@ -32,7 +32,8 @@ from vllm_edsd.checkpoint.files import replace_file, torch_load_failure
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import token_entropy
 from vllm_edsd.features.shards import SHARD_SIZE, batch_count, iterate_batches, join_batches, shard_samples
-from vllm_edsd.model.edsd import KeyValueSteps
+from vllm_edsd.methods.blocks import KeyValueSteps
+from vllm_edsd.methods.registry import EDSD
 
 from .distributed import DDP, FSDP, SINGLE, World, shard_drafter
 from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
@@ -49,7 +50,7 @@ LOG_FILE = "train_log.jsonl"
 class Recipe:
     """How one drafter is trained; EDSD's defaults are the paper's."""
 
-    method: str = "edsd"
+    method: str = EDSD
     epochs: int = 8
     max_ttt_steps: int = 7
     reading: str = "paper"  # of EDTrain's schedules: "paper" or "specforge"

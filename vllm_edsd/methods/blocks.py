@@ -1,14 +1,11 @@
-"""The EDSD draft model in plain PyTorch: the one definition of the architecture
-(docs/architecture.md, "The EDSD draft model").
-
-Training, the converter's validation, the offline acceptance predictor and the parity tests
-all use this module; ``vllm_model.py`` mirrors it with vLLM's parallel layers. It imports
-nothing from vLLM.
+"""What the drafters here share, in plain PyTorch: Llama's RMSNorm and RoPE, the draft layer's
+attention with the training-time-test key pattern, the SwiGLU MLP, the tensor check, and
+``DraftHead``: the frozen target embedding, ``fc``, the final norm, the draft-vocabulary head,
+the draft chains (``propose``) and the loading of a drafter directory. Nothing here imports vLLM.
 
 Conventions (the same as EAGLE-3/SpecForge): position ``p`` receives the target feature
-``f_p`` (concatenated hidden states at the *input* of two target layers) and the token
-``x_{p+1}`` and predicts ``x_{p+2}``. Later draft steps feed back the decoder layer's
-pre-norm output instead of ``fc(f_p)``. The draft layer's attention follows the
+``f_p`` (concatenated hidden states at the *input* of the aux target layers) and the token
+``x_{p+1}`` and predicts ``x_{p+2}``. The draft layer's attention follows the
 training-time-test pattern: step ``k`` at index ``p`` (RoPE position ``p + k``) attends to
 the step-0 keys at indices ``<= p`` and to its own index's keys of steps ``1..k``. Serving a
 chain of drafts from a context is the special case in which step ``k`` is fed the draft's
@@ -26,11 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_edsd.checkpoint.config import DEFAULT_ROPE_THETA, LAYERNORM, SUPPORTED_DTYPES, EDSDConfig
-from vllm_edsd.checkpoint.files import cast_floating, iter_tensors, tensor_shapes, write_checkpoint
-from vllm_edsd.checkpoint.layouts import EDSD_TRAINING, Layout, is_side_tensor, read_drafter_config, unexpected_hint
+from vllm_edsd.checkpoint.config import DEFAULT_ROPE_THETA, SUPPORTED_DTYPES, EDSDConfig
+from vllm_edsd.checkpoint.files import iter_tensors
+from vllm_edsd.checkpoint.layouts import Layout, is_side_tensor, unexpected_hint
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.model import float16_range
 
 DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}  # name -> torch dtype
 
@@ -134,73 +130,15 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DraftDecoderLayer(nn.Module):
-    """One Llama decoder layer whose input is the EDFuse output (size d, not 2d)."""
-
-    def __init__(self, cfg: EDSDConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, u: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps) -> torch.Tensor:
-        dtype = self.input_layernorm.weight.dtype
-        if u.dtype != dtype:  # a float32 stream around a float16 layer (float16_range.py)
-            return float16_range.decoder_layer(
-                u, lambda x: self.self_attn(x, positions, kv), self.mlp,
-                (self.input_layernorm.weight, self.input_layernorm.eps),
-                (self.post_attention_layernorm.weight, self.post_attention_layernorm.eps), dtype,
-            )
-        a = u + self.self_attn(self.input_layernorm(u), positions, kv)
-        return a + self.mlp(self.post_attention_layernorm(a))
-
-
-def token_norm(cfg: EDSDConfig) -> nn.Module:
-    """EDFuse's norm of the token embedding: SpecForge's RMSNorm or the paper's LayerNorm."""
-    if cfg.token_norm == LAYERNORM:
-        return nn.LayerNorm(cfg.hidden_size, eps=cfg.token_norm_eps)
-    return RMSNorm(cfg.hidden_size, cfg.token_norm_eps)
-
-
-class EDFuse(nn.Module):
-    """``down(silu(gate(g)) * up(norm(e)))``: gated fusion of feature and token streams.
-    A folded drafter's embedding table already holds ``norm(e)``."""
-
-    def __init__(self, cfg: EDSDConfig) -> None:
-        super().__init__()
-        d, m = cfg.hidden_size, cfg.fuse_intermediate_size
-        self.gate_proj = nn.Linear(d, m, bias=False)
-        self.up_proj = nn.Linear(d, m, bias=False)
-        self.down_proj = nn.Linear(m, d, bias=False)
-        self.token_norm = None if cfg.token_norm_folded else token_norm(cfg)
-
-    def forward(self, g: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
-        e = token_embeds if self.token_norm is None else self.token_norm(token_embeds)
-        dtype = self.gate_proj.weight.dtype
-        if g.dtype != dtype:  # a float32 feature beside float16 weights (float16_range.py)
-            return float16_range.fuse(g, e, self.gate_proj, self.up_proj, self.down_proj, dtype)
-        return self.down_proj(F.silu(self.gate_proj(g)) * self.up_proj(e))
-
-
-def expected_shapes(cfg: EDSDConfig) -> dict[str, tuple[int, ...]]:
-    """Full (unsharded) shape of every tensor a drafter with this config may carry,
-    under training-layout names; derived from the model itself on the meta device."""
-    with torch.device("meta"):
-        model = EDSDDraftModel(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def check_tensors(
-    cfg: EDSDConfig, shapes: Mapping[str, tuple[int, ...]], layout: Layout, *, source: str,
-    model_shapes: Mapping[str, tuple[int, ...]] | None = None,
+def check_tensor_shapes(
+    cfg: EDSDConfig, shapes: Mapping[str, tuple[int, ...]], layout: Layout,
+    model_shapes: Mapping[str, tuple[int, ...]], *, source: str,
 ) -> None:
     """Refuse a checkpoint whose tensor names or shapes do not fit ``cfg``, naming the tensor
     as the checkpoint names it. The shared embedding is optional unless the token norm is
     folded into it; ``d2t``/``t2d`` are optional when the draft vocabulary is the full one.
-    ``model_shapes`` are the canonical shapes of the drafter to load (default: EDSD's for ``cfg``;
-    an EAGLE-3 drafter passes its own)."""
-    expected = layout.rename_from_canonical(model_shapes or expected_shapes(cfg))
+    ``model_shapes`` are the canonical shapes of the drafter to load."""
+    expected = layout.rename_from_canonical(model_shapes)
     shapes = {name: shape for name, shape in shapes.items() if not is_side_tensor(name)}
     optional = set() if cfg.token_norm_folded else {"embed_tokens.weight"}
     if cfg.draft_vocab_size == cfg.vocab_size:
@@ -298,12 +236,16 @@ class DraftHead(nn.Module):
     def load_tensors(self, tensors: dict[str, torch.Tensor], layout: Layout, *, source: str) -> None:
         """Load a checkpoint's tensors (``layout``'s names); every parameter exactly once."""
         own = {name: tuple(tensor.shape) for name, tensor in self.state_dict().items()}
-        check_tensors(self.config, {k: tuple(v.shape) for k, v in tensors.items()}, layout, source=source,
-                      model_shapes=own)
+        check_tensor_shapes(self.config, {k: tuple(v.shape) for k, v in tensors.items()}, layout, own, source=source)
         weights = {
             k: v for k, v in tensors.items() if not is_side_tensor(k)
         }  # RoPE caches, KV scales: not weights here
         self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(weights)})
+
+    @classmethod
+    def build(cls, cfg: EDSDConfig, aux_layer_ids: tuple[int, ...]) -> DraftHead:
+        """A new drafter of this method for ``cfg`` reading the target layers ``aux_layer_ids``."""
+        return cls(cfg, aux_layer_ids)
 
     @classmethod
     def unloaded(cls, path: str | Path) -> tuple[Layout, DraftHead]:
@@ -324,58 +266,3 @@ class DraftHead(nn.Module):
             tensors["embed_tokens.weight"] = embed_tokens
         model.load_tensors(tensors, layout, source=str(path))
         return model.to(dtype).eval()
-
-
-class EDSDDraftModel(DraftHead):
-    """The EDSD drafter. Parameter names are those of the training layout (docs/formats.md, "Training layout")."""
-
-    def __init__(self, cfg: EDSDConfig) -> None:
-        super().__init__(cfg, cfg.aux_layer_ids)
-        self.edfuse = EDFuse(cfg)
-        self.midlayer = DraftDecoderLayer(cfg)
-
-    @property
-    def wide_stream(self) -> bool:
-        """Whether the residual stream runs in float32 beside the weights (float16_range.py)."""
-        return float16_range.needs_wide_stream(self.fc.weight.dtype)
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """``fc`` on the concatenated target features, as ``step`` reads its fed-back state."""
-        if not self.wide_stream:
-            return self.fc(features)
-        return float16_range.project(self.fc, features, self.fc.weight.dtype)
-
-    def step(
-        self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: returns (draft-vocab logits, pre-norm output fed back next step)."""
-        if not self.wide_stream:
-            a = self.midlayer(self.edfuse(g, self.embed_tokens(input_ids)), positions, kv)
-            return self.lm_head(self.norm(a)), a
-        dtype = self.fc.weight.dtype
-        u = self.edfuse(float16_range.load_state(g), self.embed_tokens(input_ids))
-        a = self.midlayer(u, positions, kv)
-        logits = self.lm_head(float16_range.rms_norm(a, self.norm.weight, self.norm.eps).to(dtype))
-        return logits, float16_range.store_state(a, dtype)
-
-    # ------------------------------------------------------------ weights
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors to save: everything but the embedding shared with the target."""
-        keep_embed = self.config.token_norm_folded  # then the table is LN(E), the drafter's own
-        state = {k: v for k, v in self.state_dict().items() if keep_embed or k != "embed_tokens.weight"}
-        if self.config.draft_vocab_size == self.config.vocab_size:
-            state.pop("d2t"), state.pop("t2d")
-        return state
-
-    def save_pretrained(self, path: str | Path, *, layout: Layout = EDSD_TRAINING, dtype: str | None = None) -> None:
-        """Write ``config.json`` and ``model.safetensors`` in ``layout`` (training or vLLM)."""
-        dtype = dtype or self.config.torch_dtype
-        raw = layout.config_json(self.config.with_updates(torch_dtype=dtype))
-        tensors = layout.rename_from_canonical(self.trainable_state_dict())
-        write_checkpoint(path, raw, cast_floating(tensors, DTYPES[dtype]))
-
-    @classmethod
-    def unloaded(cls, path: str | Path) -> tuple[Layout, EDSDDraftModel]:
-        """Any EDSD layout (this project's, SpecForge's, vLLM's)."""
-        layout, cfg = read_drafter_config(path, tensor_shapes(path))
-        return layout, cls(cfg)

@@ -1,4 +1,4 @@
-"""The EDSD draft model for vLLM, mirroring ``vllm_edsd/model/edsd.py`` with vLLM's parallel layers.
+"""The EDSD draft model for vLLM, mirroring ``model.py`` with vLLM's parallel layers.
 
 It subclasses vLLM's ``Eagle3LlamaForCausalLM`` because the EAGLE proposer asserts that
 type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
@@ -8,9 +8,9 @@ type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
 * ``forward``: EDFuse on (feature, token embedding), one stock Llama decoder layer, RMSNorm;
   it returns (normed states for the logits, pre-norm states fed back to the next step). In
   float16 the residual stream runs in float32 and the fed-back state is stored compressed
-  (``model/float16_range.py``): float16's range is too short for EDSD's unnormalised stream;
-* ``compute_logits`` also records the draft entropy when the draft length is adaptive
-  (``draft_length.py``).
+  (``float16_range.py``): float16's range is too short for EDSD's unnormalised stream;
+* ``compute_logits`` also records the draft entropy when the adaptive draft length asks for
+  it (``serving/features/draft_length.py`` sets ``record_draft_entropy``).
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.utils import WeightsMapper, get_draft_quant_config, maybe_prefix, process_eagle_weight
 
+import vllm_edsd.methods.edsd.float16_range as float16_range
 from vllm_edsd.checkpoint.config import LAYERNORM, EDSDConfig, TargetFingerprint
-from vllm_edsd.checkpoint.layouts import EDSD_VLLM, KV_SCALE, ROPE_CACHES, unexpected_hint
+from vllm_edsd.checkpoint.layouts import KV_SCALE, ROPE_CACHES, unexpected_hint
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.model import float16_range
-from vllm_edsd.model.edsd import draft_entropy, expected_shapes
-from vllm_edsd.serving.draft_length import AdaptiveDraftLength
+from vllm_edsd.methods.blocks import draft_entropy
+from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
+from vllm_edsd.methods.edsd.model import expected_shapes
 
 # vLLM-layout tensor name -> parameter name; names not listed (``lm_head.*``) keep theirs, and
 # ``t2d`` is dropped: ``d2t`` alone maps the vocabulary.
@@ -230,7 +231,7 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
         self.use_parallel_drafting = vllm_config.speculative_config.parallel_drafting
         if self.use_parallel_drafting:
             raise EDSDError("EDSD drafters do not support parallel_drafting; remove it from the speculative config")
-        self.adaptive = AdaptiveDraftLength.of(self.config)
+        self.record_draft_entropy = False  # set by the adaptive draft length, which reads the entropy
         self.last_draft_entropy: torch.Tensor | None = None
 
     def forward(
@@ -244,7 +245,7 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden_states)
-        if self.adaptive is not None and logits is not None:
+        if self.record_draft_entropy and logits is not None:
             self.last_draft_entropy = draft_entropy(logits)
         return logits
 

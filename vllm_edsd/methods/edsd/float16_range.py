@@ -21,7 +21,7 @@ What changes in float16 (the weights and every float32 or bfloat16 result stay a
   and read back with ``sinh``: float16's own precision below 256, relative error at most 2**-9
   up to 3.8e5 and 2**-8 (bfloat16's) up to 1.1e9.
 
-``model/edsd.py`` (training, tests, parity) and ``serving/vllm_model.py`` both call these.
+``model.py`` (training, tests, parity) and ``vllm_model.py`` both call these.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_edsd.model.float16_range import FLOAT16_MAX
+from vllm_edsd.methods.edsd.float16_range import FLOAT16_MAX
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The EAGLE-3 baseline drafter in plain PyTorch, built from the EDSD model's blocks (``model/edsd.py``),
-saved in the layout vLLM's built-in ``"method": "eagle3"`` loads (SpecForge names).
+"""The EAGLE-3 baseline drafter in plain PyTorch, built from the shared blocks (``methods/blocks.py``),
+saved in the layout vLLM's built-in EAGLE-3 method loads (SpecForge names).
 
 Differences from EDSD (docs/formats.md, "EAGLE-3"): ``fc`` reads *three* target layers (3d → d); the
 decoder layer's attention reads ``cat[input_layernorm(embedding), hidden_norm(h)]`` (2d) and
@@ -15,8 +15,9 @@ from torch import nn
 
 from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.checkpoint.files import cast_floating, write_checkpoint
-from vllm_edsd.checkpoint.layouts import EAGLE3, Layout, read_eagle3_config
-from vllm_edsd.model.edsd import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
+from vllm_edsd.checkpoint.layouts import Layout
+from vllm_edsd.methods.blocks import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
+from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT, read_eagle3_config
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -56,7 +57,7 @@ class Eagle3DraftModel(DraftHead):
         ids = list(self.aux_layer_ids)
         raw = cfg.llama_fields()
         raw.update(
-            architectures=[EAGLE3.architecture],
+            architectures=[EAGLE3_LAYOUT.architecture],
             torch_dtype=dtype,
             norm_before_residual=False,
             eagle_aux_hidden_state_layer_ids=ids,
@@ -69,6 +70,6 @@ class Eagle3DraftModel(DraftHead):
 
     @classmethod
     def unloaded(cls, path: str | Path) -> tuple[Layout, Eagle3DraftModel]:
-        """An EAGLE-3 drafter directory in the layout vLLM's ``"method": "eagle3"`` loads."""
+        """An EAGLE-3 drafter directory in the layout vLLM's EAGLE-3 method loads."""
         cfg, aux_layer_ids = read_eagle3_config(path)
-        return EAGLE3, cls(cfg, aux_layer_ids)
+        return EAGLE3_LAYOUT, cls(cfg, aux_layer_ids)
