@@ -11,22 +11,11 @@ import math
 import pytest
 import requests
 import torch
-from conftest import (
-    CAPS,
-    FITTED_TOKENS,
-    SERVER_ARGS,
-    SMALL_CACHE,
-    abandon_streams,
-    assert_counters_match,
-    assert_drafts_match,
-    capped_phase,
-    completion_token_ids,
-    drafting_engines,
-    edited_copy,
-    greedy_phase,
-    predicted_counters,
-    serve_fitted,
-)
+from support.drafters import edited_copy
+from support.engine_checks import assert_counters_match, assert_drafts_match, predicted_counters
+from support.engine_runs import SMALL_CACHE, capped_phase, greedy_phase, serve_fitted
+from support.prompts import CAPS, FITTED_TOKENS
+from support.servers import SERVER_ARGS, abandon_streams, completion_token_ids, drafting_engines
 
 from vllm_edsd.features.hidden_states import run_target
 from vllm_edsd.launch.engine import parse_prometheus_counters

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import greedy_phase
+from support.engine_runs import greedy_phase
 
 from vllm_edsd.checkpoint.config import TargetFingerprint
 from vllm_edsd.checkpoint.files import tensor_shapes

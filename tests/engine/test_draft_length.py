@@ -7,15 +7,10 @@ counters are the reference's replay under those caps. With the adaptive rule:
 from __future__ import annotations
 
 import pytest
-from conftest import (
-    CAPS,
-    FITTED_TOKENS,
-    assert_counters_match,
-    capped_phase,
-    edsd_spec,
-    per_request_metrics,
-    predicted_counters,
-)
+from support.drafters import edsd_spec
+from support.engine_checks import assert_counters_match, predicted_counters
+from support.engine_runs import capped_phase, per_request_metrics
+from support.prompts import CAPS, FITTED_TOKENS
 
 K = 4
 

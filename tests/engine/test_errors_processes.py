@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from conftest import edited_copy
-from conftest import edsd_spec as spec
+from support.drafters import edited_copy
+from support.drafters import edsd_spec as spec
 
 
 def server_exit(*args: str) -> subprocess.CompletedProcess:

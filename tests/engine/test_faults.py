@@ -5,15 +5,9 @@ flight. Output stays the target's own, nothing crashes, and the engine keeps ser
 from __future__ import annotations
 
 import pytest
-from conftest import (
-    FITTED_TOKENS,
-    MAX_MODEL_LEN,
-    SMALL_CACHE,
-    drafting_steps,
-    greedy_phase,
-    predicted_counters,
-    serve_fitted,
-)
+from support.engine_checks import drafting_steps, predicted_counters
+from support.engine_runs import MAX_MODEL_LEN, SMALL_CACHE, greedy_phase, serve_fitted
+from support.prompts import FITTED_TOKENS
 
 K = 4
 EDGE_TOKENS = 16

@@ -6,16 +6,16 @@ See docs/architecture.md ("Test tiers")."""
 from __future__ import annotations
 
 import pytest
-from conftest import (
-    PROMPTS,
+from support.drafters import edsd_spec
+from support.engine_checks import (
     assert_counters_match,
     assert_drafts_match,
     draft_agreement,
-    edsd_spec,
-    greedy_phase,
     predicted_counters,
     reference_chains,
 )
+from support.engine_runs import greedy_phase
+from support.prompts import PROMPTS
 
 pytestmark = pytest.mark.gpu
 

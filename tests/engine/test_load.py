@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import abandon_streams, processes_with
+from support.servers import abandon_streams, processes_with
 
 from bench.latency import DRAIN_S, aggregate, poisson_schedule, run_locust
 from vllm_edsd.launch.engine import SpecCounters, parse_prometheus_counters

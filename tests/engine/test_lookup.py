@@ -8,7 +8,9 @@ Unit tests of the matcher, the rule and the config: tests/unit/test_lookup.py.""
 from __future__ import annotations
 
 import pytest
-from conftest import CAPS, FITTED_TOKENS, capped_phase, edsd_spec, greedy_phase, per_request_metrics
+from support.drafters import edsd_spec
+from support.engine_runs import capped_phase, greedy_phase, per_request_metrics
+from support.prompts import CAPS, FITTED_TOKENS
 
 K = 4
 DRAFTER_TOKENS = 2

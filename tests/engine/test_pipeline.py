@@ -4,7 +4,9 @@ output stays lossless, and the acceptance predicted offline equals vLLM's counte
 
 from __future__ import annotations
 
-from conftest import assert_counters_match, edsd_spec, predicted_counters, serve_fitted
+from support.drafters import edsd_spec
+from support.engine_checks import assert_counters_match, predicted_counters
+from support.engine_runs import serve_fitted
 from support.toy import toy_corpus
 
 K = 3

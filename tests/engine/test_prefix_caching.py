@@ -18,17 +18,10 @@ plugin not loaded (docs/known-issues.md); a strict xfail says when that changes.
 from __future__ import annotations
 
 import pytest
-from conftest import (
-    SHARED_PREFIX_CAPS,
-    SHARED_PREFIX_PROMPTS,
-    SHARED_PREFIX_TOKENS,
-    SHARED_PREFIXES,
-    assert_drafts_match,
-    capped_phase,
-    edsd_spec,
-    llama_edsd_eager,
-    reference_chains,
-)
+from support.drafters import edsd_spec
+from support.engine_checks import assert_drafts_match, reference_chains
+from support.engine_runs import capped_phase, llama_edsd_eager
+from support.prompts import SHARED_PREFIX_CAPS, SHARED_PREFIX_PROMPTS, SHARED_PREFIX_TOKENS, SHARED_PREFIXES
 
 K = 4
 BATCH_CAPS = [None, 0, 1, None, 2, 0]  # the same prompts at once, every prefix cached by now

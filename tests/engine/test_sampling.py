@@ -13,8 +13,8 @@ import math
 from collections import Counter
 
 import pytest
-from conftest import drafting_steps
 from support.cpu_expansion import vllm_expansion_is_broken
+from support.engine_checks import drafting_steps
 
 K = 4
 SAMPLES = 2000

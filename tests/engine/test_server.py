@@ -15,16 +15,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import (
-    SERVER_ARGS,
-    answer_token_ids,
-    assert_counters_match,
-    completion_body,
-    completion_token_ids,
-    predicted_counters,
-    processes_with,
-    serve_fitted,
-)
+from support.engine_checks import assert_counters_match, predicted_counters
+from support.engine_runs import serve_fitted
+from support.servers import SERVER_ARGS, answer_token_ids, completion_body, completion_token_ids, processes_with
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import make_llm, on_cpu, parse_prometheus_counters
@@ -161,7 +154,7 @@ def test_server_start_up_time_out_is_one_clear_error(models, tmp_path):
 def test_health_poll_outlasts_a_server_that_does_not_answer_yet(tmp_path):
     """A server busy starting its engine accepts connections but answers ``/health`` late:
     the wait treats a read time-out as "not yet" and ends, at its deadline, with the one
-    start-up error (before the fix: a ``requests`` ReadTimeout traceback)."""
+    start-up error, not a ``requests`` ReadTimeout traceback."""
     import socket
     import subprocess
     import sys

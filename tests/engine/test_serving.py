@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
-    PROMPTS,
+from support.drafters import edited_copy, edsd_spec
+from support.engine_checks import (
     assert_counters_match,
     assert_drafts_match,
-    edited_copy,
-    edsd_spec,
-    greedy_phase,
-    llama_edsd_eager,
     predicted_counters,
     reference_chains,
-    serve_fitted,
     simulate_constant_drafter,
 )
+from support.engine_runs import greedy_phase, llama_edsd_eager, serve_fitted
+from support.prompts import PROMPTS
 
 from vllm_edsd.checkpoint.config import LAYERNORM, RMSNORM, TOKEN_NORMS
 

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, draft_agreement, edsd_spec, greedy_phase, reference_chains
 from safetensors.torch import load_file
+from support.drafters import edsd_spec
+from support.engine_checks import draft_agreement, reference_chains
+from support.engine_runs import greedy_phase
+from support.prompts import PROMPTS
 from support.specforge_layout import write_specforge_checkpoint
 from transformers import AutoTokenizer
 

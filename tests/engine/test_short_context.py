@@ -1,8 +1,9 @@
 """A target with a 1,024-token context through the whole flow, every engine vLLM: ``edsd
 regenerate`` (a prompt that does not fit ends its conversation, counted), ``edsd train`` under
 ``torchrun --nproc-per-node 2`` with vLLM's feature extraction (the training length follows the
-target: 1,023 tokens, a longer sample cut and counted), and ``edsd convert``. Before the fix the
-extraction engine asked for 2,049 tokens and died in vLLM's config validation on every rank.
+target: 1,023 tokens, a longer sample cut and counted), and ``edsd convert``. An extraction
+engine that asks for more tokens than the target holds (2,049) dies in vLLM's config validation
+on every rank.
 Lengths the target cannot hold, given by hand, are refused before any engine:
 ``tests/unit/test_targets.py``."""
 

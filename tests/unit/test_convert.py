@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import edited_copy
 from safetensors.torch import load_file, save_file
+from support.drafters import edited_copy
 from support.toy import make_drafter
 
 from vllm_edsd.checkpoint.config import LAYERNORM, TOKEN_NORMS, EDSDConfig, decoder_layers

@@ -12,8 +12,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import edsd_spec as spec
-from conftest import engine_config
+from support.drafters import edsd_spec as spec
+from support.drafters import engine_config
 
 from vllm_edsd.checkpoint.config import Speculators
 from vllm_edsd.errors import EDSDError, positive_int

@@ -1,6 +1,5 @@
 """Bad input is one clear line before any engine starts, nothing
-is deleted that the user did not name, no output or interruption leaves debris behind.
-Each test fails on the code before the fix."""
+is deleted that the user did not name, no output or interruption leaves debris behind."""
 
 from __future__ import annotations
 
@@ -14,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import edited_copy, engine_config
-from conftest import edsd_spec as spec
 from safetensors.torch import load_file, save_file
+from support.drafters import edited_copy, engine_config
+from support.drafters import edsd_spec as spec
 from support.toy import make_drafter
 
 from vllm_edsd.cli import main

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import edited_copy, edsd_spec, engine_config
+from support.drafters import edited_copy, edsd_spec, engine_config
 from support.toy import make_drafter
 
 from vllm_edsd.errors import EDSDError

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import edsd_spec as spec
-from conftest import engine_config
+from support.drafters import edsd_spec as spec
+from support.drafters import engine_config
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.serving.draft_length import check_runner

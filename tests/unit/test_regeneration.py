@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.toy import make_target, toy_corpus
 
-from tests.support.toy import make_target, toy_corpus
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.regeneration import answers
 from vllm_edsd.regeneration.greedy import greedy_answers, greedy_replies, length_batches

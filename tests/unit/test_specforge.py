@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import edited_copy, edsd_spec, engine_config
 from safetensors.torch import load_file
+from support.drafters import edited_copy, edsd_spec, engine_config
 from support.specforge_layout import specforge_chains, write_specforge_checkpoint
 
 from vllm_edsd.cli import main

@@ -10,7 +10,7 @@ import os
 import shutil
 
 import pytest
-from conftest import edited_copy, engine_config
+from support.drafters import edited_copy, engine_config
 
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError

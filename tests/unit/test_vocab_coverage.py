@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 import torch
+from support.toy import make_target, toy_corpus
 
 from bench import vocab_coverage
-from tests.support.toy import make_target, toy_corpus
 from vllm_edsd.training.vocab import build_vocab_mapping, coverage
 
 
