@@ -5,6 +5,7 @@ bad value is the same one line everywhere."""
 from __future__ import annotations
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.registry import EAGLE3, EDSD
 
 
 def numbers(flag: str, text: str, kind: type, least: float, above: bool = False) -> list:
@@ -34,7 +35,7 @@ def models_or_demo(target: str | None, drafters: dict[str, str]) -> tuple[str, d
         paths = demo_paths()
     except EDSDError as exc:
         raise EDSDError(f"no demo models in this installation ({exc}); pass --target and a drafter") from exc
-    return paths["target"], {m: paths[m] for m in ("edsd", "eagle3") if m in paths} | drafters
+    return paths["target"], {m: paths[m] for m in (EDSD, EAGLE3) if m in paths} | drafters
 
 
 def target_and_drafter(target: str | None, method: str, drafter: str | None) -> tuple[str, str | None]:

@@ -1,4 +1,4 @@
-"""``python -m bench.cold_starts --out DIR``: start a speculative engine again and again from a
+"""``python -m bench cold-starts --out DIR``: start a speculative engine again and again from a
 cold compile cache, and say whether any start died.
 
 Each round gets a fresh compile cache (``VLLM_CACHE_ROOT``) and starts the engine twice:
@@ -48,26 +48,6 @@ IGNORED = "Exception ignored in"
 AOT_LOAD_FAILURE = "Compiling model again due to a load failure"
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.cold_starts", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="where results.json and report.md go")
-    parser.add_argument("--rounds", type=int, default=10,
-                        help="rounds of (cold, reload) starts (default 10: 20 starts)")
-    parser.add_argument("--target", help="the target model (default: the embedded demo target)")
-    parser.add_argument("--drafter", help="the drafter (default: the demo's, with the demo target)")
-    parser.add_argument("--method", default="edsd", help="speculative method, or none (default edsd)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds one start may take (default 900)")
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    try:
-        args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
-    except EDSDError as exc:
-        parser.error(str(exc))
-    return args
-
-
 def start_once(args: argparse.Namespace, cache: Path, kind: str) -> dict:
     """One start in a fresh process with this compile cache; what it printed, classified."""
     from vllm_edsd.launch.engine import CPU_MEMORY_FRACTION
@@ -109,7 +89,7 @@ def render(results: dict) -> str:
 
     starts = results["starts"]
     lines = ["# Cold starts of a speculative engine", "",
-             f"Command: `python -m bench.cold_starts {' '.join(results['argv'])}`  ",
+             f"Command: `{command(results)}`  ",
              f"Machine: {describe(results['machine'])}; float32, compiled (not eager), method "
              f"`{results['method']}`, the vllm-edsd plugin {results['plugin']}.", "",
              "| kind | starts | failed | fatal errors | ignored exceptions | AOT load failed | "
@@ -129,8 +109,16 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def command(results: dict) -> str:
+    """The command that made ``results``: recorded whole, or as its arguments alone."""
+    return results.get("command") or "python -m bench cold-starts " + " ".join(results["argv"])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every round's cold and reload starts; exit status 1 when any start failed."""
+    if args.rounds < 1:
+        raise EDSDError("--rounds must be at least 1")
+    args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
     from vllm_edsd.serving.plugin import DISABLE_ENV
 
     from .machine import machine
@@ -138,10 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plugin = "disabled (VLLM_EDSD_DISABLE)" if os.environ.get(DISABLE_ENV) else "installed"
-    results = {"argv": sys.argv[1:] if argv is None else argv, "method": args.method, "plugin": plugin,
-               "machine": machine(), "starts": []}
+    results = {"command": args.command, "method": args.method, "plugin": plugin, "machine": machine(), "starts": []}
     for round_number in range(1, args.rounds + 1):
-        with tempfile.TemporaryDirectory(prefix="edsd-cold-start-") as cache:
+        with tempfile.TemporaryDirectory(prefix="bench-cold-start-") as cache:
             for kind in ("cold", "reload"):
                 start = start_once(args, Path(cache), kind)
                 results["starts"].append(start)
@@ -152,7 +139,3 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(s["failed"] for s in results["starts"])
     print(f"{len(results['starts'])} starts, {failed} failed; {out / 'report.md'}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

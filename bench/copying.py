@@ -1,4 +1,4 @@
-"""``python -m bench.copying``: how much of each drafter's accuracy is copying from the context,
+"""``python -m bench copying``: how much of each drafter's accuracy is copying from the context,
 which is what EDSD's gap to EAGLE-3 is made of. No vLLM, no training.
 
 The target answers the bench's held-out prompts greedily (transformers, float32, its chat
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,28 +32,13 @@ from pathlib import Path
 import torch
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods import METHODS
+from vllm_edsd.methods.registry import EAGLE3, EDSD
 
 from .offline import CATEGORIES
 
-DEFAULT_STEPS = 4
-NAMES = {"edsd": "EDSD", "eagle3": "EAGLE-3"}  # the drafters measured, in the report's order
+DRAFTERS = (EDSD, EAGLE3)  # the methods measured, in the report's order
 SPLITS = ("copyable", "other", "all")
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.copying", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example (the shipped pair):\n  python -m bench.copying --out bench/results/copying")
-    add = parser.add_argument
-    add("--out", required=True, help="where results.json and report.md go")
-    add("--target", help="the target's directory (default: the embedded demo target)")
-    add("--edsd", help="EDSD drafter directory, any EDSD layout (default: the demo's)")
-    add("--eagle3", help="EAGLE-3 drafter directory, vLLM's layout (default: the demo's)")
-    add("--steps", type=int, default=DEFAULT_STEPS, help=f"draft steps per chain, K (default {DEFAULT_STEPS})")
-    add("--prompts-per-category", type=int, default=4,
-        help=f"held-out prompts per bench category ({', '.join(CATEGORIES)}; default 4)")
-    add("--max-tokens", type=int, default=128, help="most tokens of each greedy answer (default 128)")
-    return parser.parse_args(argv)
 
 
 # ---------------------------------------------------------------- the bigram split
@@ -221,28 +204,25 @@ def drafter_paths(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
 
     from .arguments import models_or_demo
 
-    target, paths = models_or_demo(args.target, {m: getattr(args, m) for m in NAMES if getattr(args, m)})
+    target, paths = models_or_demo(args.target, {m: getattr(args, m) for m in DRAFTERS if getattr(args, m)})
     if not paths:
-        raise EDSDError("no drafter to measure: pass --edsd and/or --eagle3")
+        raise EDSDError(f"no drafter to measure: pass --{EDSD} and/or --{EAGLE3}")
     for method, path in paths.items():
         try:
             read_config_json(path)
         except EDSDError as exc:
             raise EDSDError(f"--{method}: {exc}") from None
-    return target, {method: paths[method] for method in NAMES if method in paths}
+    return target, {method: paths[method] for method in DRAFTERS if method in paths}
 
 
 def load_drafters(paths: dict[str, str], target_model) -> dict:
     """Each drafter in float32, sharing the target's embedding, checked against the target."""
     from vllm_edsd.features.hidden_states import decoder_of, fingerprint
-    from vllm_edsd.methods.eagle3.model import Eagle3DraftModel
-    from vllm_edsd.methods.edsd.model import EDSDDraftModel
 
-    classes = {"edsd": EDSDDraftModel, "eagle3": Eagle3DraftModel}
     embed = decoder_of(target_model).embed_tokens.weight
     drafters = {}
     for method, path in paths.items():
-        drafters[method] = classes[method].from_pretrained(path, embed_tokens=embed)
+        drafters[method] = METHODS[method].model.from_pretrained(path, embed_tokens=embed)
         drafters[method].config.check_target(fingerprint(target_model), drafter=f"--{method} {path}")
     return drafters
 
@@ -268,7 +248,7 @@ def target_features(target_model, answer: Answer, layer_ids: tuple[int, ...]) ->
     return run_target(target_model, torch.tensor([answer.tokens]), layer_ids, outputs=False).features(layer_ids)
 
 
-def run(args: argparse.Namespace, command: str) -> dict:
+def measured(args: argparse.Namespace) -> dict:
     """Answer the prompts, measure every drafter, and return the results file's content."""
     from transformers import AutoTokenizer
 
@@ -283,7 +263,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
     drafters = load_drafters(paths, target_model)
     answers = held_out_answers(target_model, tokenizer, args.prompts_per_category, args.max_tokens)
     return {
-        "command": command, "machine": machine(), "dtype": "float32", "target": target,
+        "command": args.command, "machine": machine(), "dtype": "float32", "target": target,
         "prompts": f"the bench's held-out prompts, {args.prompts_per_category} per category ({', '.join(CATEGORIES)}), "
                    f"answered greedily by the target (transformers, batched, chat template), at most "
                    f"{args.max_tokens} tokens, ending at its end of sequence",
@@ -312,7 +292,7 @@ def first_draft_table(results: dict) -> list[str]:
     counts = first[methods[0]]
     labels = {"copyable": "the next bigram already occurred earlier in the context", "other": "it did not",
               "all": "all"}
-    lines = ["| answer positions | positions | share | " + " | ".join(NAMES[m] for m in methods)
+    lines = ["| answer positions | positions | share | " + " | ".join(METHODS[m].label for m in methods)
              + ' | the rule "copy what followed the last occurrence" |',
              "|---|---|---|" + "---|" * len(methods) + "---|"]
     for split in SPLITS:
@@ -333,7 +313,7 @@ def step_table(results: dict) -> list[str]:
     for method, measured in results["drafters"].items():
         for step, summary in enumerate(measured["steps"]):
             state = summary["state"]
-            lines.append(f"| {NAMES[method]} | {step} | "
+            lines.append(f"| {METHODS[method].label} | {step} | "
                          + " / ".join(accuracy(summary[s]["accuracy"]) for s in SPLITS)
                          + f" | {accuracy(summary['all']['accuracy_after_right_drafts'])} | "
                          + " / ".join(accuracy(summary[s]["attention_accuracy"]) for s in SPLITS)
@@ -343,7 +323,8 @@ def step_table(results: dict) -> list[str]:
 
 def render(results: dict) -> str:
     machine = results["machine"]
-    layers = "; ".join(f"{NAMES[m]} {tuple(d['aux_layer_ids'])} ({d['path']})" for m, d in results["drafters"].items())
+    layers = "; ".join(f"{METHODS[m].label} {tuple(d['aux_layer_ids'])} ({d['path']})"
+                       for m, d in results["drafters"].items())
     return "\n".join([
         "# Copying from the context: first drafts where the text repeats and elsewhere", "",
         f"Command: `{results['command']}`  ",
@@ -363,14 +344,9 @@ def render(results: dict) -> str:
         *step_table(results), ""])
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    command = "python -m bench.copying " + shlex.join(sys.argv[1:] if argv is None else argv)
-    try:
-        results = run(args, command)
-    except EDSDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+def run(args: argparse.Namespace) -> int:
+    """Measure, write results.json and report.md into --out, print the report."""
+    results = measured(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -379,7 +355,3 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     print(f"written to {out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -22,12 +22,13 @@ from pathlib import Path
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import engine_dtype, llm_session
+from vllm_edsd.methods.registry import EAGLE3, EDSD
 
 from . import trace
 from .offline import Setup, load_prompts, method_config
 
 SUITE = "draft-cost"
-METHODS = ("none", "eagle3", "edsd")  # the target alone, vLLM's EAGLE-3, EDSD through the plugin
+METHODS = ("none", EAGLE3, EDSD)  # the target alone, vLLM's EAGLE-3, EDSD through the plugin
 MODES = {"compiled": {}, "eager": {"enforce_eager": True}}
 DTYPES = ("float32", "bfloat16", "float16")
 SCOPES_ENV = "VLLM_CUSTOM_SCOPES_FOR_PROFILING"
@@ -54,7 +55,7 @@ def profile(setup: Setup, method: str, k: int, mode: str, dtype: str, with_stack
 
     params = SamplingParams(temperature=0.0, max_tokens=setup.max_tokens, ignore_eos=True)
     prompt = load_prompts("chat", 1)
-    with tempfile.TemporaryDirectory(prefix="edsd-draft-cost-") as trace_dir, profiler_scopes():
+    with tempfile.TemporaryDirectory(prefix="bench-draft-cost-") as trace_dir, profiler_scopes():
         profiler = {"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": with_stack}
         with llm_session(setup.target, method_config(setup, method, k), dtype=dtype, profiler_config=profiler,
                          **MODES[mode]) as llm:

@@ -1,4 +1,4 @@
-"""``python -m bench.learning_curve``: served τ against training positions, EDSD and EAGLE-3
+"""``python -m bench learning-curve``: served τ against training positions, EDSD and EAGLE-3
 trained the same way (the demo recipe of ``edsd build-demo``), so the training budget is chosen
 from a measurement (docs/architecture.md "Data flow").
 
@@ -21,54 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.registry import EAGLE3, EDSD
 
 from .arguments import numbers
 from .offline import CATEGORIES, generate, load_prompts
 
-METHODS = ("edsd", "eagle3")
-DEFAULT_WORK = Path.home() / ".cache" / "vllm-edsd" / "learning-curve"
+METHODS = (EDSD, EAGLE3)
 SAVE_EVERY = 100  # batches: on a CPU an epoch of the largest point takes about an hour; resume loses less
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.learning_curve", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  python -m bench.learning_curve --sizes 64,180,360,720 --out bench/results/learning-curve")
-    add = parser.add_argument
-    add("--out", required=True, help="where results.json, report.md and the plot go")
-    add("--work", default=str(DEFAULT_WORK), help=f"data, caches and checkpoints (default {DEFAULT_WORK})")
-    add("--sizes", default="64,180,360,720", help="training conversations per point, comma-separated")
-    add("--methods", default=",".join(METHODS), help="edsd, eagle3 or both (default both)")
-    add("--chat-prompts", type=int, default=None, help="ShareGPT chat prompts answered (default: in proportion)")
-    add("--code-prompts", type=int, default=None, help="ShareGPT code prompts answered (default: a third)")
-    add("--k", type=int, default=4, help="num_speculative_tokens when τ is measured (default 4)")
-    add("--prompts-per-category", type=int, default=4, help="held-out prompts per bench category (default 4)")
-    add("--max-tokens", type=int, default=128, help="tokens generated per held-out prompt (default 128)")
-    add("--device", default="cpu", help="where the drafters train (default cpu)")
-    add("--feature-layers", default=None,
-        help="more target layers whose features are extracted and cached for every point, besides EDSelect's "
-             "and EAGLE-3's: every ablation's --layers among them lets all rows share one extraction")
-    add("--train-extra", default="", help="more `edsd train` arguments for every point, an ablation "
-                                         "(e.g. --train-extra='--feature-noise 0.2'); its runs are kept apart")
-    add("--drafters-from", default=None, metavar="WORK",
-        help="measure the drafters an `edsd build-demo --work WORK` run trained (WORK/edsd, WORK/eagle3) "
-             "instead of training, on that run's data (--work is WORK); --sizes is then the run's one size, "
-             "and --chat-prompts/--code-prompts its prompts")
-    add("--remeasure", action="store_true",
-        help="measure again the points that --out's results.json already holds (default: keep them)")
-    args = parser.parse_args(argv)
-    if args.drafters_from:
-        args.work = args.drafters_from
-    return args
 
 
 def demo_plan(args: argparse.Namespace, largest: int):
@@ -120,12 +85,13 @@ def check_built(work: Path, methods: list[str]) -> None:
 
 
 def served_drafter(plan, method: str, run: Path) -> Path:
-    """The drafter of the finished training run ``run`` as vLLM serves it: EAGLE-3's checkpoint
-    as it is, EDSD's converted once into run/vllm."""
+    """The drafter of the finished training run ``run`` as vLLM serves it: as it is, or
+    converted once into run/vllm where its method's checkpoints are converted (EDSD's)."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
+    from vllm_edsd.methods import METHODS as REGISTRY
     from vllm_edsd.pipeline.stages import run_command
 
-    if method == "eagle3":
+    if not REGISTRY[method].converts:
         return run / "final"
     served = run / "vllm"
     if not finished_checkpoint(served):
@@ -258,61 +224,57 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    try:
-        sizes = sorted(set(numbers("--sizes", args.sizes, int, 1)))
-        feature_layers = () if args.feature_layers is None else tuple(
-            numbers("--feature-layers", args.feature_layers, int, 0))
-    except EDSDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+def checked(args: argparse.Namespace) -> tuple[list[int], tuple[int, ...], list[str]]:
+    """The sizes, the extra feature layers and the methods asked for; a bad value is refused in
+    one line before anything runs."""
+    sizes = sorted(set(numbers("--sizes", args.sizes, int, 1)))
+    feature_layers = () if args.feature_layers is None else tuple(
+        numbers("--feature-layers", args.feature_layers, int, 0))
     if args.drafters_from and len(sizes) != 1:
-        print("error: --drafters-from measures one run: give its number of conversations as --sizes N",
-              file=sys.stderr)
-        return 2
+        raise EDSDError("--drafters-from measures one run: give its number of conversations as --sizes N")
     methods = args.methods.split(",")
     if unknown := sorted(set(methods) - set(METHODS)):
-        print(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}", file=sys.stderr)
-        return 2
-    from vllm_edsd.pipeline.stages import run_pipeline
+        raise EDSDError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if args.drafters_from:
+        check_built(Path(args.drafters_from), methods)
+    return sizes, feature_layers, methods
 
+
+def new_results(args: argparse.Namespace, out: Path) -> dict:
+    """The results file's header, with the points an earlier run of the same measurement kept."""
     from .machine import machine
 
+    return {"command": args.command, "machine": machine(), "k": args.k, "measurement": measurement(args),
+            "points": earlier_points(out / "results.json", args),
+            "held_out": f"the bench's prompts, {args.prompts_per_category} per category "
+                        f"({', '.join(CATEGORIES)}), {args.max_tokens} tokens each, batched",
+            "seen": f"the first {args.prompts_per_category * len(CATEGORIES)} training prompts (every size "
+                    "trains on them), measured alike"}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every (size, method) point not yet measured: train or reuse, measure, write."""
+    args.work = str(Path(args.drafters_from or args.work).expanduser())
+    sizes, feature_layers, methods = checked(args)
+    from vllm_edsd.pipeline.stages import run_pipeline
+
     out = Path(args.out)
-    try:
-        if args.drafters_from:
-            check_built(Path(args.drafters_from), methods)
-        plan = demo_plan(args, sizes[-1])
-        run_pipeline(plan.cfg, stop_after="select")  # the data and EDSelect's layers
-        command = "python -m bench.learning_curve " + shlex.join(argv or sys.argv[1:])
-        results = {"command": command,
-                   "machine": machine(), "k": args.k, "measurement": measurement(args),
-                   "points": earlier_points(out / "results.json", args),
-                   "held_out": f"the bench's prompts, {args.prompts_per_category} per category "
-                               f"({', '.join(CATEGORIES)}), {args.max_tokens} tokens each, batched",
-                   "seen": f"the first {args.prompts_per_category * len(CATEGORIES)} training prompts (every size "
-                           "trains on them), measured alike"}
-        out.mkdir(parents=True, exist_ok=True)
-        started = time.time()
-        for size in tqdm(sizes, desc="sizes", unit="size"):
-            for method in methods:
-                key = {"method": method, "variant": args.train_extra, "conversations": size}
-                if not args.remeasure and any(same_point(r, key) for r in results["points"]):
-                    print(f"kept: {method} {args.train_extra} at {size} conversations, measured in {out}")
-                    continue
-                new = {**point(plan, method, size, args, feature_layers), "command": command}
-                results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
-                (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-                (out / "report.md").write_text(render(results))
-        plot(results, out / "learning_curve.png")
-    except EDSDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    plan = demo_plan(args, sizes[-1])
+    run_pipeline(plan.cfg, stop_after="select")  # the data and EDSelect's layers
+    results = new_results(args, out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    for size in tqdm(sizes, desc="sizes", unit="size"):
+        for method in methods:
+            key = {"method": method, "variant": args.train_extra, "conversations": size}
+            if not args.remeasure and any(same_point(r, key) for r in results["points"]):
+                print(f"kept: {method} {args.train_extra} at {size} conversations, measured in {out}")
+                continue
+            new = {**point(plan, method, size, args, feature_layers), "command": args.command}
+            results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
+            (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+            (out / "report.md").write_text(render(results))
+    plot(results, out / "learning_curve.png")
     print(render(results))
     print(f"({(time.time() - started) / 60:.1f} min; written to {out})")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

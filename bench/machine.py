@@ -1,10 +1,12 @@
 """The machine block every results file carries: processor, instruction set, cores, load,
-and the versions of vLLM, torch and this package."""
+the versions of vLLM, torch and this package, and the day the run started (UTC), which
+``python -m bench index`` lists."""
 
 from __future__ import annotations
 
 import os
 import platform
+from datetime import datetime, timezone
 
 
 def machine() -> dict:
@@ -28,4 +30,4 @@ def machine() -> dict:
             "accelerator": accelerator, "default_dtype": default_dtype(),
             "load_average": [round(load, 2) for load in os.getloadavg()],  # other jobs on the machine
             "vllm": vllm.__version__, "torch": torch.__version__, "vllm_edsd": vllm_edsd.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}

@@ -16,36 +16,35 @@ from importlib import resources
 from vllm_edsd.data import load_humaneval
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import engine_dtype, llm_session, spec_counters, speculative_config
+from vllm_edsd.methods.registry import EAGLE3, EDSD
 from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD, REQUEST_KEY, check_request_cap
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 # The n-gram lengths prompt lookup matches, alone (``ngram``) and beside the drafter
-# (``edsd+lookup``): 2 to 4 tokens, as vLLM's examples use; vLLM's own default is 5 to 5.
+# (EDSD + lookup): 2 to 4 tokens, as vLLM's examples use; vLLM's own default is 5 to 5.
 NGRAM_LENGTHS = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+DEFAULT_METHODS = f"none,ngram,{EAGLE3},{EDSD}"
+BATCH_TABLE = f"{EDSD}-batch-table"
+
+
+def _adaptive(k: int, threshold: float) -> dict:
+    return {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold}
+
+
 # Methods that are another method's drafter under other serving settings: name -> (drafter's
-# method, speculative-config fields). ``edsd-batch-table`` is vLLM's own K-by-batch-size table
-# (``num_speculative_tokens_per_batch_size``), set from the static K figures of this CPU: K up
-# to batch 4, K/2 to 16, 1 above. ``edsd+lookup`` drafts by prompt lookup where it matches and
-# by the EDSD drafter elsewhere (docs/serving.md, "Prompt lookup beside the drafter");
-# ``edsd-k1+lookup`` lets the drafter draft one token there (the lookup up to K);
-# ``edsd-adaptive+lookup`` cuts the drafter's drafts by its entropy there too.
+# method, speculative-config fields from K and the adaptive threshold). The batch table is
+# vLLM's own K-by-batch-size table (``num_speculative_tokens_per_batch_size``), set from the
+# static K figures of this CPU: K up to batch 4, K/2 to 16, 1 above. ``+lookup`` drafts by
+# prompt lookup where it matches and by the EDSD drafter elsewhere (docs/serving.md, "Prompt
+# lookup beside the drafter"); ``-k1+lookup`` lets the drafter draft one token there (the
+# lookup up to K); ``-adaptive+lookup`` cuts the drafter's drafts by its entropy there too.
 VARIANTS = {
-    "edsd-adaptive": (
-        "edsd",
-        lambda k, threshold: {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold},
-    ),
-    "edsd-batch-table": (
-        "edsd",
-        lambda k, threshold: {
-            "num_speculative_tokens_per_batch_size": [[1, 4, k], [5, 16, max(1, k // 2)], [17, 17, 1]]
-        },
-    ),
-    "edsd+lookup": ("edsd", lambda k, threshold: dict(NGRAM_LENGTHS)),
-    "edsd-k1+lookup": ("edsd", lambda k, threshold: {"num_drafter_tokens": 1, **NGRAM_LENGTHS}),
-    "edsd-adaptive+lookup": (
-        "edsd",
-        lambda k, threshold: {"adaptive_draft_length": True, "adaptive_draft_threshold": threshold, **NGRAM_LENGTHS},
-    ),
+    f"{EDSD}-adaptive": (EDSD, _adaptive),
+    BATCH_TABLE: (EDSD, lambda k, threshold: {
+        "num_speculative_tokens_per_batch_size": [[1, 4, k], [5, 16, max(1, k // 2)], [17, 17, 1]]}),
+    f"{EDSD}+lookup": (EDSD, lambda k, threshold: dict(NGRAM_LENGTHS)),
+    f"{EDSD}-k1+lookup": (EDSD, lambda k, threshold: {"num_drafter_tokens": 1, **NGRAM_LENGTHS}),
+    f"{EDSD}-adaptive+lookup": (EDSD, lambda k, threshold: {**_adaptive(k, threshold), **NGRAM_LENGTHS}),
 }
 
 

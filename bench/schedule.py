@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 from tqdm import tqdm
@@ -27,10 +26,8 @@ from vllm_edsd.launch.engine import llm_session, speculative_config
 from vllm_edsd.serving.draft_length import REQUEST_KEY
 
 from .arguments import numbers, target_and_drafter
-from .draft_cost import DTYPES
 from .offline import CATEGORIES, generate, load_prompts
 
-DEFAULT_BATCH_SIZES = "1,4,16,64"
 MIN_REQUESTS = 8  # small batches run several rounds, so one prompt does not decide a batch size
 SUITE = "schedule"
 NONE, SCHEDULE = "none", "schedule"
@@ -145,22 +142,9 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench schedule", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--target", help="target model (default: the embedded demo target)")
-    parser.add_argument("--drafter", help="drafter directory, vLLM layout (default: the demo's for --method)")
-    parser.add_argument("--method", choices=("edsd", "eagle3"), default="edsd")
-    parser.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help=f"default {DEFAULT_BATCH_SIZES}")
-    parser.add_argument("--max-k", type=int, default=4, help="static K measured: 1 to this (default 4)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
-    parser.add_argument("--max-batch", type=int, default=256,
-                        help="the schedule's last range ends here (default 256, vLLM's max_num_seqs on a GPU)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="the engines' dtype (default: bfloat16 where the CPU computes it natively, else float32)")
-    parser.add_argument("--quick", action="store_true", help="batch sizes 1,4, K up to 2, 16 tokens (CI)")
-    args = parser.parse_args(argv)
+def checked(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments with --quick's sizes applied and the batch sizes read; a count below 1 is
+    refused in one line naming its flag."""
     if args.quick:
         args.batch_sizes, args.max_k, args.max_tokens = "1,4", min(args.max_k, 2), 16
     args.batch_sizes = sorted(set(numbers("--batch-sizes", args.batch_sizes, int, 1)))
@@ -170,33 +154,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str]) -> int:
-    try:
-        args = parse(argv)
-        args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
-    except EDSDError as exc:
-        print(f"bench schedule: error: {exc}", file=sys.stderr)
-        return 2
+def run(args: argparse.Namespace) -> int:
+    """Time none, the opted-out engine and every static K, choose the table, serve it and time it."""
+    args = checked(args)
+    args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
     from .machine import machine
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [c for category in CATEGORIES for c in load_prompts(category, 4)]
     results = {"machine": machine(), "method": args.method, "target": args.target, "drafter": args.drafter,
-               "max_tokens": args.max_tokens, "command": "python -m bench schedule " + " ".join(argv),
-               "runs": [], "schedule": None}
+               "max_tokens": args.max_tokens, "command": args.command, "runs": [], "schedule": None}
 
     def record(label: str | int, ranges: list[list[int]] | None = None) -> None:
         results["runs"] += measure(args, prompts, label, ranges)
         (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         (out / "report.md").write_text(render(results))
 
-    try:
-        for label in tqdm((NONE, OPTED_OUT, *range(args.max_k + 1)), desc="bench schedule", unit="engine"):
-            record(label)
-    except EDSDError as exc:  # an engine that cannot start: what was measured stays in results.json
-        print(f"bench schedule: error: {exc}", file=sys.stderr)
-        return 2
+    # An engine that cannot start raises EDSDError: what was measured stays in results.json.
+    for label in tqdm((NONE, OPTED_OUT, *range(args.max_k + 1)), desc="bench schedule", unit="engine"):
+        record(label)
     results["schedule"] = schedule_config(choose_schedule(static_k_throughput(results["runs"]), args.max_batch))
     (out / "schedule.json").write_text(json.dumps(results["schedule"]) + "\n")
     record(SCHEDULE, results["schedule"]["num_speculative_tokens_per_batch_size"])

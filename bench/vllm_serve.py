@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.registry import EDSD
 
 from .arguments import models_or_demo
 
@@ -126,20 +127,8 @@ def _ratio(row: dict, base: float | None) -> str:
     return "-" if row["label"] == NONE or not base else f"{row['output_throughput'] / base:.2f}x"
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = parser.add_argument
-    add("--out", required=True, help="output directory")
-    add("--target", help="target model (default: the embedded demo target)")
-    add("--speculative-config", action="append", default=None, metavar="JSON",
-        help="a server to measure besides none, as vllm serve takes it; repeat for several (default: the demo's "
-             "EDSD drafter at K=4, the README's GPU command; docs/serving.md's CPU command is K=1)")
-    add("--dtypes", default="auto", help=f"server dtypes, comma-separated, from {', '.join(DTYPES)} (default auto)")
-    add("--num-prompts", type=int, default=24, help="held-out ShareGPT prompts (default 24)")
-    add("--output-len", type=int, default=128, help="tokens per reply at most (default 128)")
-    add("--seed", type=int, default=0, help="vllm bench serve's sampling seed (default 0)")
-    args = parser.parse_args(argv)
+def checked(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments with --dtypes read; a count below 1 or an unknown dtype is refused in one line."""
     for flag in ("num_prompts", "output_len"):
         if getattr(args, flag) < 1:
             raise EDSDError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -154,9 +143,9 @@ def speculative_configs(args: argparse.Namespace, drafters: dict[str, str]) -> d
     from vllm_edsd.launch.engine import speculative_config
 
     if not args.speculative_config:
-        if "edsd" not in drafters:
+        if EDSD not in drafters:
             raise EDSDError("no EDSD drafter to serve: pass --speculative-config")
-        return {"edsd K=4": speculative_config("edsd", drafters["edsd"], 4)}
+        return {f"{EDSD} K=4": speculative_config(EDSD, drafters[EDSD], 4)}
     configs = {}
     for text in args.speculative_config:
         try:
@@ -171,15 +160,12 @@ def speculative_configs(args: argparse.Namespace, drafters: dict[str, str]) -> d
     return configs
 
 
-def main(argv: list[str]) -> int:
-    try:
-        args = parse(argv)
-        args.target, drafters = models_or_demo(args.target, {})
-        configs = speculative_configs(args, drafters)
-        records = held_out_sharegpt(args.num_prompts)
-    except EDSDError as exc:
-        print(f"bench serve: error: {exc}", file=sys.stderr)
-        return 2
+def run(args: argparse.Namespace) -> int:
+    """Every server in turn: none, then each speculative config, at every dtype."""
+    args = checked(args)
+    args.target, drafters = models_or_demo(args.target, {})
+    configs = speculative_configs(args, drafters)
+    records = held_out_sharegpt(args.num_prompts)
     from .machine import machine
 
     out = Path(args.out)
@@ -187,17 +173,13 @@ def main(argv: list[str]) -> int:
     dataset = out / "sharegpt-held-out.json"
     dataset.write_text(json.dumps(records, indent=1) + "\n")
     results = {"machine": machine(), "target": args.target, "num_prompts": args.num_prompts,
-               "output_len": args.output_len, "command": "python -m bench serve " + " ".join(argv),
-               "speculative_configs": configs, "runs": []}
+               "output_len": args.output_len, "command": args.command, "speculative_configs": configs, "runs": []}
     servers = [(label, spec, dtype) for dtype in args.dtypes for label, spec in ((NONE, None), *configs.items())]
-    try:
-        for label, spec, dtype in tqdm(servers, desc="bench serve", unit="server"):
-            results["runs"].append(measure(args, dataset, label, spec, dtype))
-            (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-            (out / "report.md").write_text(render(results))
-    except EDSDError as exc:  # a server that cannot start: what was measured stays in results.json
-        print(f"bench serve: error: {exc}", file=sys.stderr)
-        return 2
+    # A server that cannot start raises EDSDError: what was measured stays in results.json.
+    for label, spec, dtype in tqdm(servers, desc="bench serve", unit="server"):
+        results["runs"].append(measure(args, dataset, label, spec, dtype))
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (out / "report.md").write_text(render(results))
     print(render(results))
     print(f"wrote {out / 'results.json'} and {out / 'report.md'}")
     return 0

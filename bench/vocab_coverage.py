@@ -1,4 +1,4 @@
-"""``python -m bench.vocab_coverage``: how much of the target's answers to held-out prompts a
+"""``python -m bench vocab-coverage``: how much of the target's answers to held-out prompts a
 draft vocabulary of each size holds, when it is built as ``edsd train`` builds it (the most
 frequent answer tokens of the training conversations). A token outside it can never be
 drafted, so coverage bounds acceptance at every position; the draft vocabulary's size is
@@ -13,32 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from vllm_edsd.errors import EDSDError
 
 from .arguments import numbers
-
-DEFAULT_SIZES = "1024,2048,4096,8192,16384,32000"
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.vocab_coverage", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  python -m bench.vocab_coverage TARGET --data answers.jsonl --train 720,9000 "
-               "--held-out 1000")
-    add = parser.add_argument
-    add("target", help="the target's directory (its tokenizer and chat template)")
-    add("--data", required=True, help="JSON lines of answered conversations ({'messages': [...]})")
-    add("--train", default=None, help="conversations the vocabulary is built from, comma-separated counts "
-                                      "(default: all but the held-out ones)")
-    add("--held-out", type=int, default=1000, help="last conversations measured (default 1000)")
-    add("--sizes", default=DEFAULT_SIZES, help=f"draft vocabulary sizes (default {DEFAULT_SIZES})")
-    add("--max-length", type=int, default=448, help="tokens per rendered conversation (default 448)")
-    add("--out", help="also write results.json and report.md into this directory")
-    return parser.parse_args(argv)
 
 
 def coverage_table(target: str, conversations: list, train_counts: list[int], held_out: int, sizes: list[int],
@@ -81,29 +60,20 @@ def render(rows: list[dict], held_out: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def run(args: argparse.Namespace) -> int:
+    """Print the coverage table, and write it into --out when given."""
     from vllm_edsd.data import load_conversations
 
-    try:
-        sizes = numbers("--sizes", args.sizes, int, 1)
-        train = numbers("--train", args.train, int, 1) if args.train else None
-        conversations = load_conversations(args.data)
-        train = train or [len(conversations) - args.held_out]
-        rows = coverage_table(args.target, conversations, train, args.held_out, sizes, args.max_length)
-    except EDSDError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    sizes = numbers("--sizes", args.sizes, int, 1)
+    train = numbers("--train", args.train, int, 1) if args.train else None
+    conversations = load_conversations(args.data)
+    train = train or [len(conversations) - args.held_out]
+    rows = coverage_table(args.target, conversations, train, args.held_out, sizes, args.max_length)
     print(render(rows, args.held_out))
     if args.out:
-        command = "python -m bench.vocab_coverage " + " ".join(argv or sys.argv[1:])
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
-        (out / "report.md").write_text(f"# Draft vocabulary coverage\n\nCommand: `{command}`\n\n"
+        (out / "results.json").write_text(json.dumps({"command": args.command, "rows": rows}, indent=1) + "\n")
+        (out / "report.md").write_text(f"# Draft vocabulary coverage\n\nCommand: `{args.command}`\n\n"
                                        + render(rows, args.held_out))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

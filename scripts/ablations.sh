@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD
 # Batch stages on a CPU: vLLM's KV cache is a fraction of the NUMA node; 0.25 holds 4 sequences of
 # the demo target on a 10-GiB node, 0.6 about 50 (4.5x the regeneration throughput, measured).
 export EDSD_CPU_MEMORY_FRACTION=${EDSD_CPU_MEMORY_FRACTION:-0.6}
-OUT=${OUT:-bench/results/ablation-2k}
+OUT=${OUT:-bench/results/learning-curve-ablation-2k-avx2}
 LAYERS=1,20,29  # besides EDSelect's and EAGLE-3's (2, 15, 27): every row's layers, one extraction
 COSINE="--lr-schedule cosine --weight-decay 0"
 ROWS=(
@@ -33,6 +33,6 @@ count=${1:-${#ROWS[@]}}
 for row in "${ROWS[@]:0:$count}"; do
   method=${row%%|*} extra=${row#*|}
   echo "== $method ${extra:-(the demo recipe)}  ($(date -u +%H:%M))"
-  .venv/bin/python -m bench.learning_curve --sizes 2048 --out "$OUT" --feature-layers "$LAYERS" \
+  .venv/bin/python -m bench learning-curve --sizes 2048 --out "$OUT" --feature-layers "$LAYERS" \
     --methods "$method" --train-extra="$extra"
 done

@@ -1,4 +1,4 @@
-"""The copying instrument (``python -m bench.copying``): the bigram split on hand-made
+"""The copying instrument (``python -m bench copying``): the bigram split on hand-made
 token lists, drafters whose answers are known (one that copies perfectly, one that cannot)
 measured through the instrument's own path, and the real EDSD and EAGLE-3 drafters run end to
 end on a toy target."""
@@ -13,6 +13,7 @@ from support.toy import make_drafter, make_target, target_config
 from torch import nn
 
 from bench import copying
+from bench.cli import main
 from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.methods.blocks import DraftHead
 from vllm_edsd.methods.eagle3.model import Eagle3DraftModel
@@ -144,9 +145,9 @@ def test_the_instrument_end_to_end_on_a_toy_pair(toy_pair, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--target", toy_pair["target"], "--edsd", toy_pair["edsd"], "--eagle3", toy_pair["eagle3"],
             "--out", str(out), "--prompts-per-category", "1", "--max-tokens", "6", "--steps", "2"]
-    assert copying.main(argv) == 0
+    assert main(["copying", *argv]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["command"].startswith("python -m bench.copying --target")
+    assert results["command"].startswith("python -m bench copying --target")
     assert results["answers"] == 5 and list(results["drafters"]) == ["edsd", "eagle3"]
     assert results["drafters"]["eagle3"]["aux_layer_ids"] == [1, 2, 3]
     for drafter in results["drafters"].values():
@@ -163,7 +164,8 @@ def test_bad_input_is_one_clear_line(toy_pair, tmp_path, capsys):
              ("--eagle3", toy_pair["edsd"]): "not an EAGLE-3 drafter",
              ("--steps", "0"): "--steps must be at least 1, got 0"}
     for (flag, value), message in cases.items():
-        assert copying.main(["--target", toy_pair["target"], flag, value, "--out", str(tmp_path / "out")]) == 2
+        assert main(["copying", "--target", toy_pair["target"], flag, value, "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
-        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: ") and message in err
+        assert "Traceback" not in err and message in err
+        assert err.strip().splitlines()[-1].startswith("bench copying: error: ")
     assert not (tmp_path / "out").exists()

@@ -96,7 +96,7 @@ def test_missing_optional_dependency_is_one_line_before_any_work(tmp_path, suite
     measures anything (no traceback, no output directory)."""
     out = tmp_path / "results"
     code = (f"import sys; sys.modules[{absent!r}] = None\n"  # what an environment without it looks like
-            f"from bench.__main__ import main; sys.exit(main([{suite!r}, '--out', {str(out)!r}, '--quick']))")
+            f"from bench.cli import main; sys.exit(main([{suite!r}, '--out', {str(out)!r}, '--quick']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"missing {package}" in proc.stderr and "pip install 'vllm-edsd[bench]'" in proc.stderr
@@ -130,14 +130,14 @@ def test_learning_curve_report_and_plot(tmp_path):
               for m in ("eagle3", "edsd") for n in (64, 720)]
     points[0].pop("tau_seen")  # a point measured before the seen prompts were
     points[3]["tau_sequence"] = 1.9
-    results = {"command": "python -m bench.learning_curve --out x", "machine": LEARNING_CURVE_MACHINE, "k": 4,
+    results = {"command": "python -m bench learning-curve --out x", "machine": LEARNING_CURVE_MACHINE, "k": 4,
                "held_out": "the bench's prompts", "seen": "the first 20 training prompts", "points": points}
     table = render(results)
     assert "CPU X (avx2), 2 cores" in table and "target served in bfloat16" in table
     assert "| edsd | 720 | 108,000 | 2.020 | 1.900 | 0.20 / 0.05 / 0.01 / 0.00 | 2.220 | 0.50 | 11.2 min |" in table
     assert "| eagle3 | 64 | 9,600 | 1.264 | - | 0.20 / 0.05 / 0.01 / 0.00 | - | 0.50 | 1.0 min |" in table
     assert "Seen: the first 20 training prompts." in table and table.count("| eagle3 |") == 2
-    assert "Command: `python -m bench.learning_curve --out x`" in table and "| run |" not in table
+    assert "Command: `python -m bench learning-curve --out x`" in table and "| run |" not in table
     plot(results, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000
 
@@ -150,13 +150,13 @@ def test_learning_curve_report_names_each_runs_command():
 
     base = {"conversations": 64, "positions": 9600, "tau": 1.3, "acceptance_per_pos": [0.3, 0.0], "drafts": 10,
             "dtype": "float32", "train_wall_s": 60.0, "train_acc_per_step": [0.5, 0.4]}
-    ablation = "python -m bench.learning_curve --out x --methods edsd '--train-extra=--lr 5e-4'"
+    ablation = "python -m bench learning-curve --out x --methods edsd '--train-extra=--lr 5e-4'"
     points = [{**base, "method": "eagle3"},
               {**base, "method": "edsd", "variant": "--lr 5e-4", "command": ablation}]
-    table = render({"command": "python -m bench.learning_curve --out x", "machine": LEARNING_CURVE_MACHINE, "k": 4,
+    table = render({"command": "python -m bench learning-curve --out x", "machine": LEARNING_CURVE_MACHINE, "k": 4,
                     "held_out": "h", "points": points}).splitlines()
     assert "Commands: the 2 runs listed below the table.  " in table and not any("Command:" in r for r in table)
-    assert table[-2:] == ["1. `python -m bench.learning_curve --out x`", f"2. `{ablation}`"]
+    assert table[-2:] == ["1. `python -m bench learning-curve --out x`", f"2. `{ablation}`"]
     assert next(r for r in table if r.startswith("| eagle3 |")).endswith(" 1 |")
     assert next(r for r in table if r.startswith("| edsd ")).endswith(" 2 |")
 
@@ -170,7 +170,7 @@ def test_learning_curve_report_names_each_runs_command():
                                            (["--sizes", "64", "--drafters-from", "nowhere"],
                                             "nowhere/edsd/final is not a finished checkpoint")])
 def test_learning_curve_refuses_bad_arguments_in_one_line(argv, message, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.learning_curve", "--out", str(tmp_path / "out"),
+    proc = subprocess.run([sys.executable, "-m", "bench", "learning-curve", "--out", str(tmp_path / "out"),
                            "--work", str(tmp_path / "work"), *argv], capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -192,7 +192,7 @@ def test_report_says_how_long_the_replies_were():
     ``--stop-at-eos`` existed (no ``config.ignore_eos``) always ran to max_tokens."""
     from bench.report import render
 
-    results = Path(__file__).parents[2] / "bench" / "results" / "learning-curve-10k"
+    results = Path(__file__).parents[2] / "bench" / "results" / "learning-curve-10k-avx512"
     older = json.loads((results / "speed-after-epoch-2" / "results.json").read_text())
     stopped = json.loads((results / "speed-stop-at-eos" / "results.json").read_text())
     assert "ignore_eos" not in older["config"] and stopped["config"]["ignore_eos"] is False
@@ -211,7 +211,8 @@ def test_report_header_names_the_dtype_every_row_ran_in():
 
 
 def _setup(*argv: str):
-    from bench.__main__ import build_setup, parse
+    from bench.cli import parse
+    from bench.suites import build_setup
 
     return build_setup(parse(["acceptance", "--out", "unused", "--target", "T", "--edsd", "E", *argv]))
 
@@ -266,13 +267,13 @@ def test_an_ablation_that_names_its_layers_replaces_edselects():
 
 
 def test_the_report_rows_carry_the_values_of_results_json():
-    """A recorded run of every suite (bench/results/cpu-demo-10k): each run is its row of the
+    """A recorded run of every suite (bench/results/all-avx512): each run is its row of the
     report, in order, with its numbers; a changed number or a missing run is found."""
     from support.report_tables import mismatches
 
     from bench.report import render
 
-    results = json.loads((Path(__file__).parents[2] / "bench/results/cpu-demo-10k/results.json").read_text())
+    results = json.loads((Path(__file__).parents[2] / "bench/results/all-avx512/results.json").read_text())
     report = render(results)
     assert mismatches(report, results) == []
     assert {r["suite"] for r in results["runs"]} == {"acceptance", "throughput", "latency", "robustness", "mixed"}

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from bench.schedule import choose_schedule, parse, render, schedule_config, static_k_throughput
+from bench.cli import parse
+from bench.schedule import checked, choose_schedule, render, schedule_config, static_k_throughput
 from vllm_edsd.errors import EDSDError
 
 
@@ -66,7 +67,7 @@ def test_the_report_compares_every_engine_with_none_at_each_batch_size():
 ])
 def test_bad_flags_are_refused(flags, message):
     with pytest.raises(EDSDError, match=message):
-        parse(["--out", "x", *flags])
+        checked(parse(["schedule", "--out", "x", *flags]))
 
 
 def test_a_bad_flag_is_one_line_before_any_engine(tmp_path):

@@ -8,8 +8,13 @@ import sys
 
 import pytest
 
-from bench.vllm_serve import NONE, held_out_sharegpt, parse, render, speculative_configs
+from bench import cli
+from bench.vllm_serve import NONE, checked, held_out_sharegpt, render, speculative_configs
 from vllm_edsd.errors import EDSDError
+
+
+def parse(argv: list[str]):
+    return checked(cli.parse(["serve", *argv]))
 
 
 def test_held_out_prompts_are_later_turns_that_no_first_turn_equals():

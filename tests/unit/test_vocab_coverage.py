@@ -1,4 +1,4 @@
-"""The draft vocabulary's coverage of held-out answers (``python -m bench.vocab_coverage``): the
+"""The draft vocabulary's coverage of held-out answers (``python -m bench vocab-coverage``): the
 share of answer tokens a vocabulary built as ``edsd train`` builds it can ever draft."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.toy import make_target, toy_corpus
 
-from bench import vocab_coverage
+from bench.cli import main
 from vllm_edsd.training.vocab import build_vocab_mapping, coverage
 
 
@@ -37,7 +37,7 @@ def answered(tmp_path_factory):
 
 def test_coverage_grows_with_the_vocabulary_and_the_data(answered, capsys, tmp_path):
     target, data, count = answered
-    assert vocab_coverage.main([target, "--data", data, "--held-out", "8", "--train", f"4,{count - 8}",
+    assert main(["vocab-coverage", target, "--data", data, "--held-out", "8", "--train", f"4,{count - 8}",
                                 "--sizes", "8,32,128,384", "--out", str(tmp_path / "out")]) == 0
     assert len(json.loads((tmp_path / "out" / "results.json").read_text())["rows"]) == 8
     table = capsys.readouterr().out
@@ -51,12 +51,12 @@ def test_coverage_grows_with_the_vocabulary_and_the_data(answered, capsys, tmp_p
 
 def test_bad_split_is_one_clear_error(answered, capsys):
     target, data, count = answered
-    assert vocab_coverage.main([target, "--data", data, "--held-out", str(count)]) == 2
+    assert main(["vocab-coverage", target, "--data", data, "--held-out", str(count)]) == 2
     assert "--held-out must leave conversations to train on" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--sizes", "8,x"), ("--train", "0")])
 def test_bad_counts_are_one_clear_error_naming_the_flag(answered, capsys, flag, value):
     target, data, _ = answered
-    assert vocab_coverage.main([target, "--data", data, "--held-out", "8", flag, value]) == 2
+    assert main(["vocab-coverage", target, "--data", data, "--held-out", "8", flag, value]) == 2
     assert f"{flag} takes comma-separated ints" in capsys.readouterr().err
