@@ -28,6 +28,7 @@ from pathlib import Path
 from vllm_edsd.errors import EDSDError
 
 from .arguments import target_and_drafter
+from .machine import describe, machine
 
 # One start, as a user's script: the engine, one greedy request, its reply on the last line.
 START = """
@@ -85,8 +86,6 @@ def ignored_exceptions(output: str) -> list[str]:
 
 
 def render(results: dict) -> str:
-    from .learning_curve import describe
-
     starts = results["starts"]
     lines = ["# Cold starts of a speculative engine", "",
              f"Command: `{command(results)}`  ",
@@ -120,8 +119,6 @@ def run(args: argparse.Namespace) -> int:
         raise EDSDError("--rounds must be at least 1")
     args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
     from vllm_edsd.serving.plugin import DISABLE_ENV
-
-    from .machine import machine
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods import METHODS
 from vllm_edsd.methods.registry import EAGLE3, EDSD
 
+from .machine import describe, machine
 from .offline import CATEGORIES
 
 DRAFTERS = (EDSD, EAGLE3)  # the methods measured, in the report's order
@@ -254,8 +255,6 @@ def measured(args: argparse.Namespace) -> dict:
 
     from vllm_edsd.launch.transformers_target import load_target
 
-    from .machine import machine
-
     check_counts(args)
     target, paths = drafter_paths(args)
     target_model = load_target(target, dtype=torch.float32)
@@ -328,7 +327,7 @@ def render(results: dict) -> str:
     return "\n".join([
         "# Copying from the context: first drafts where the text repeats and elsewhere", "",
         f"Command: `{results['command']}`  ",
-        f"Machine: {machine['processor']} ({machine['cpu_instruction_set']}), {machine['cores']} cores; target and "
+        f"Machine: {describe(machine)}; target and "
         f"drafters in {results['dtype']}, transformers (no vLLM).  ",
         f"Answers: {results['prompts']}: {results['answers']} answers, {results['answer_tokens']:,} answer tokens.  ",
         f"Drafters and their target layers (vLLM's convention): {layers}.", "",

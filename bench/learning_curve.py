@@ -30,6 +30,7 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods.registry import EAGLE3, EDSD
 
 from .arguments import numbers
+from .machine import describe, machine
 from .offline import CATEGORIES, generate, load_prompts
 
 METHODS = (EDSD, EAGLE3)
@@ -164,11 +165,6 @@ def earlier_points(path: Path, args: argparse.Namespace) -> list[dict]:
     return earlier["points"] if earlier.get("measurement") == measurement(args) else []
 
 
-def describe(machine: dict) -> str:
-    return (f"{machine['processor']} ({machine['cpu_instruction_set']}), {machine['cores']} cores, "
-            f"vLLM {machine['vllm']}")
-
-
 def point_command(results: dict, point: dict) -> str:
     """The command that measured ``point``: its own, or for a point written before points kept
     one, the file's (the last run's)."""
@@ -242,8 +238,6 @@ def checked(args: argparse.Namespace) -> tuple[list[int], tuple[int, ...], list[
 
 def new_results(args: argparse.Namespace, out: Path) -> dict:
     """The results file's header, with the points an earlier run of the same measurement kept."""
-    from .machine import machine
-
     return {"command": args.command, "machine": machine(), "k": args.k, "measurement": measurement(args),
             "points": earlier_points(out / "results.json", args),
             "held_out": f"the bench's prompts, {args.prompts_per_category} per category "

@@ -9,6 +9,12 @@ import platform
 from datetime import datetime, timezone
 
 
+def describe(machine: dict) -> str:
+    """The machine block as a report's header says it: processor, CPU flags, cores, vLLM."""
+    return (f"{machine['processor']} ({machine.get('cpu_instruction_set')}), {machine['cores']} cores, "
+            f"vLLM {machine.get('vllm', '?')}")
+
+
 def machine() -> dict:
     import torch
     import vllm

@@ -26,6 +26,7 @@ from vllm_edsd.launch.engine import llm_session, speculative_config
 from vllm_edsd.serving.draft_length import REQUEST_KEY
 
 from .arguments import numbers, target_and_drafter
+from .machine import describe, machine
 from .offline import CATEGORIES, generate, load_prompts
 
 MIN_REQUESTS = 8  # small batches run several rounds, so one prompt does not decide a batch size
@@ -127,7 +128,7 @@ def render(results: dict) -> str:
     names |= {k: f"K={k}" for k in labels if isinstance(k, int) and k}
     lines = [f"# K by batch size: {results['method']} on {results['target']}", "",
              f"Command: `{results['command']}`  ",
-             f"Machine: {machine['processor']} ({machine['cpu_instruction_set']}), {machine['cores']} cores; "
+             f"Machine: {describe(machine)}; "
              f"dtype {runs[0]['dtype'] if runs else '?'}; T=0, {results['max_tokens']} tokens per reply.", "",
              "Output tokens/s; in brackets, against none.", "",
              "| batch | " + " | ".join(names[label] for label in labels) + " |",
@@ -158,8 +159,6 @@ def run(args: argparse.Namespace) -> int:
     """Time none, the opted-out engine and every static K, choose the table, serve it and time it."""
     args = checked(args)
     args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
-    from .machine import machine
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [c for category in CATEGORIES for c in load_prompts(category, 4)]

@@ -29,6 +29,7 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods.registry import EDSD
 
 from .arguments import models_or_demo
+from .machine import describe, machine
 
 SUITE = "serve"
 NONE = "none"
@@ -105,8 +106,7 @@ def render(results: dict) -> str:
     default_none = next((r["output_throughput"] for r in rows if r["label"] == NONE), None)
     lines = ["# `vllm bench serve` at the server's defaults", "",
              f"Command: `{results['command']}`  ",
-             f"Machine: {machine['processor']} ({machine['cpu_instruction_set']}), {machine['cores']} cores, "
-             f"vLLM {machine['vllm']}.  ",
+             f"Machine: {describe(machine)}.  ",
              f"Client: `vllm bench serve`, openai-chat, {results['num_prompts']} held-out ShareGPT prompts, "
              f"{results['output_len']} tokens each at most, one request at a time, the server's sampling.", "",
              "| server | dtype asked (served) | output tok/s | against none, same dtype | against none, first dtype "
@@ -166,8 +166,6 @@ def run(args: argparse.Namespace) -> int:
     args.target, drafters = models_or_demo(args.target, {})
     configs = speculative_configs(args, drafters)
     records = held_out_sharegpt(args.num_prompts)
-    from .machine import machine
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dataset = out / "sharegpt-held-out.json"
