@@ -2,7 +2,8 @@
 one parser. ``python -m bench SUITE --help`` says what a suite measures and writes.
 
 Each suite is a row of ``SUITES``: its one-line help, the module whose ``run(args)`` runs it,
-and the function here that adds its options. Only the chosen suite's module is imported.
+and the function here that adds its options. Of the modules that run suites, only the chosen
+one is imported (and the light ones whose choices the options name).
 A suite refuses bad input with one line (``bench SUITE: error: ...``) and exit status 2.
 """
 
