@@ -201,7 +201,7 @@ def check_counts(args: argparse.Namespace) -> None:
 def drafter_paths(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
     """The target and the drafters to measure (the demo's where no target is given), each
     drafter directory checked before anything loads."""
-    from vllm_edsd.checkpoint.config import read_config_json
+    from vllm_edsd.checkpoint.target import read_config_json
 
     from .arguments import models_or_demo
 
@@ -224,7 +224,8 @@ def load_drafters(paths: dict[str, str], target_model) -> dict:
     drafters = {}
     for method, path in paths.items():
         drafters[method] = METHODS[method].model.from_pretrained(path, embed_tokens=embed)
-        drafters[method].config.check_target(fingerprint(target_model), drafter=f"--{method} {path}")
+        drafters[method].config.check_target(fingerprint(target_model), drafter=f"--{method} {path}",
+                                             aux_layer_ids=drafters[method].aux_layer_ids)
     return drafters
 
 

@@ -25,7 +25,7 @@ def coverage_table(target: str, conversations: list, train_counts: list[int], he
     """One row per (training conversations, vocabulary size): the held-out coverage."""
     from transformers import AutoTokenizer
 
-    from vllm_edsd.checkpoint.config import read_config_json
+    from vllm_edsd.checkpoint.target import read_config_json
     from vllm_edsd.features.shards import tokenize_conversations
     from vllm_edsd.training.vocab import answer_token_counts, build_vocab_mapping, coverage
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from support.engine_runs import greedy_phase
 
-from vllm_edsd.checkpoint.config import TargetFingerprint
 from vllm_edsd.checkpoint.files import tensor_shapes
+from vllm_edsd.checkpoint.target import TargetFingerprint
 from vllm_edsd.demo import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, check_prompt_ids
 from vllm_edsd.features.hidden_states import fingerprint
 from vllm_edsd.launch.transformers_target import load_target

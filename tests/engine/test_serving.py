@@ -17,7 +17,7 @@ from support.engine_checks import (
 from support.engine_runs import greedy_phase, llama_edsd_eager, serve_fitted
 from support.prompts import PROMPTS
 
-from vllm_edsd.checkpoint.config import LAYERNORM, RMSNORM, TOKEN_NORMS
+from vllm_edsd.methods.edsd.config import LAYERNORM, RMSNORM, TOKEN_NORMS
 
 K = 4
 

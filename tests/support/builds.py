@@ -11,7 +11,7 @@ from support.drafters import edited_copy
 from support.prompts import PROMPTS
 from support.specforge_layout import write_specforge_checkpoint
 from support.toy import make_drafter, make_target, toy_corpus
-from vllm_edsd.checkpoint.config import LAYERNORM, RMSNORM
+from vllm_edsd.methods.edsd.config import LAYERNORM, RMSNORM
 from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING
 from weights_convert import convert
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.checkpoint.config import RMSNORM, EDSDConfig
 from vllm_edsd.checkpoint.layouts import Layout
+from vllm_edsd.methods.edsd.config import RMSNORM, EDSDConfig
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
 

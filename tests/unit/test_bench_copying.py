@@ -14,9 +14,9 @@ from torch import nn
 
 from bench import copying
 from bench.cli import main
-from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.methods.blocks import DraftHead
 from vllm_edsd.methods.eagle3.model import Eagle3DraftModel
+from vllm_edsd.methods.edsd.config import EDSDConfig
 
 # prompt 5 6 7, answer 5 6 8 5 6 7 9: the bigrams ending at 4, 7 and 8 occurred before
 TOKENS = [5, 6, 7, 5, 6, 8, 5, 6, 7, 9]

@@ -13,11 +13,12 @@ from safetensors.torch import load_file, save_file
 from support.drafters import edited_copy
 from support.toy import make_drafter
 
-from vllm_edsd.checkpoint.config import LAYERNORM, TOKEN_NORMS, EDSDConfig, decoder_layers
+from vllm_edsd.checkpoint.target import decoder_layers
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import run_target
 from vllm_edsd.launch.transformers_target import load_target
+from vllm_edsd.methods.edsd.config import LAYERNORM, TOKEN_NORMS, EDSDConfig
 from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING, read_edsd_config
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
 

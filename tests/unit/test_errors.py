@@ -15,8 +15,8 @@ import pytest
 from support.drafters import edsd_spec as spec
 from support.drafters import engine_config
 
-from vllm_edsd.checkpoint.config import Speculators
 from vllm_edsd.errors import EDSDError, positive_int
+from vllm_edsd.methods.edsd.config import Speculators
 from vllm_edsd.serving.draft_length import AdaptiveDraftLength, check_request_cap, check_runner
 from vllm_edsd.serving.plugin import version_supported
 

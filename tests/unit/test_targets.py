@@ -15,15 +15,10 @@ import pytest
 import torch
 from support.toy import make_drafter, make_target, toy_corpus
 
-from vllm_edsd.checkpoint.config import (
-    EDSDConfig,
-    context_length,
-    decoder_layers,
-    read_config_json,
-    sequence_length,
-)
+from vllm_edsd.checkpoint.target import context_length, decoder_layers, read_config_json, sequence_length
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.edsd.config import EDSDConfig
 from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING
 from vllm_edsd.regeneration import answers
 

@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.features.hidden_states import token_entropy
 from vllm_edsd.methods.blocks import KeyValueSteps
+from vllm_edsd.methods.edsd.config import EDSDConfig
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
 from vllm_edsd.training.schedule import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
 from vllm_edsd.training.trainer import Recipe, ttt_loss

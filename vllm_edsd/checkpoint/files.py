@@ -25,6 +25,8 @@ from vllm_edsd.errors import EDSDError, first_line
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_BIN = "pytorch_model.bin"
+# The dtypes of a drafter's weights, and of a target's while its features are read.
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def load_json(file: Path) -> object:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.errors import EDSDError
 
 
@@ -45,22 +45,26 @@ class Layout:
     signature: frozenset[str]
     # Where no signature fits: whether these tensor names are this layout's.
     recognise: Callable[[set[str]], bool] | None = None
-    # raw config.json -> the ``edsd_config`` form EDSDConfig validates (identity if already).
+    # The config class its config.json is read into: ``config.from_dict(raw, source=...,
+    # layer_id_convention=...)`` after ``translate_config``; None where the project reads none.
+    config: Any = None
+    # raw config.json -> the form ``config`` validates (identity if already).
     translate_config: Callable[[dict, str], dict] = lambda raw, source: raw
-    # EDSDConfig -> config.json, for the layouts this project writes.
-    write_config: Callable[[EDSDConfig, str], dict] | None = None
+    # a config -> config.json, for the layouts this project writes.
+    write_config: Callable[[Any, str], dict] | None = None
     describe: str = ""
 
     @property
     def architecture(self) -> str:
         return self.architectures[0]
 
-    def read_config(self, raw: dict, *, source: str, layer_id_convention: str | None = None) -> EDSDConfig:
-        return EDSDConfig.from_dict(
-            self.translate_config(raw, source), source=source, layer_id_convention=layer_id_convention
-        )
+    def read_config(self, raw: dict, *, source: str, layer_id_convention: str | None = None) -> Any:
+        translated = self.translate_config(raw, source)
+        if self.config is None:
+            raise EDSDError(f"{source}: vllm-edsd does not read the config of {self.describe}")
+        return self.config.from_dict(translated, source=source, layer_id_convention=layer_id_convention)
 
-    def config_json(self, cfg: EDSDConfig) -> dict:
+    def config_json(self, cfg: Any) -> dict:
         if self.write_config is None:
             raise EDSDError(f"vllm-edsd reads {self.describe} but does not write it")
         return self.write_config(cfg, self.architecture)

@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_edsd.checkpoint.config import (
-    DEFAULT_SPECULATIVE_TOKENS,
-    LAYER_ID_CONVENTIONS,
-    MAX_SPECULATIVE_TOKENS,
-    SUPPORTED_DTYPES,
-)
+from vllm_edsd.checkpoint.files import SUPPORTED_DTYPES
+from vllm_edsd.checkpoint.target import LAYER_ID_CONVENTIONS
+from vllm_edsd.methods.edsd.config import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 
 from .converter import convert
 

@@ -20,19 +20,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.checkpoint.config import (
-    DEFAULT_SPECULATIVE_TOKENS,
-    LAYER_ID_CONVENTIONS,
-    SUPPORTED_DTYPES,
-    EDSDConfig,
-    Speculators,
-    TargetFingerprint,
-    check_speculative_tokens,
-    read_config_json,
-    text_config,
-)
 from vllm_edsd.checkpoint.files import (
     SAFETENSORS,
+    SUPPORTED_DTYPES,
     atomic_directory,
     cast_floating,
     finished_checkpoint,
@@ -44,11 +34,13 @@ from vllm_edsd.checkpoint.files import (
     write_checkpoint,
 )
 from vllm_edsd.checkpoint.layouts import ROPE_CACHES, Layout
+from vllm_edsd.checkpoint.target import LAYER_ID_CONVENTIONS, TargetFingerprint, read_config_json, text_config
 from vllm_edsd.checkpoint.vocab import check_vocab_mapping
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods import detect_layout
 from vllm_edsd.methods.blocks import DTYPES
 from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT
+from vllm_edsd.methods.edsd.config import DEFAULT_SPECULATIVE_TOKENS, EDSDConfig, Speculators, check_speculative_tokens
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.methods.edsd.model import check_tensors, token_norm
 from vllm_edsd.version import __version__

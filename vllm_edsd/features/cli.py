@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_edsd.checkpoint.config import decoder_layers
+from vllm_edsd.checkpoint.target import decoder_layers
 
 from .samples import (
     add_data_arguments,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_edsd.checkpoint.config import TargetFingerprint
+from vllm_edsd.checkpoint.target import TargetFingerprint
 from vllm_edsd.errors import EDSDError
 
 

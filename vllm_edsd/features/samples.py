@@ -12,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from vllm_edsd.checkpoint.config import SUPPORTED_DTYPES, context_length, sequence_length
+from vllm_edsd.checkpoint.files import SUPPORTED_DTYPES
+from vllm_edsd.checkpoint.target import context_length, sequence_length
 from vllm_edsd.data import read_conversations
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import add_vllm_arguments

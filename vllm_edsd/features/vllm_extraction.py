@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.checkpoint.config import decoder_layers
 from vllm_edsd.checkpoint.files import read_tensor, tensor_files
+from vllm_edsd.checkpoint.target import decoder_layers
 from vllm_edsd.errors import EDSDError
 
 from .hidden_states import SampleFeatures, decoder_of, token_entropy

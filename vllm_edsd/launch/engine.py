@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_edsd.checkpoint.config import context_length
+from vllm_edsd.checkpoint.target import context_length
 from vllm_edsd.errors import EDSDError
 
 CPU_MEMORY_FRACTION = float(os.environ.get("EDSD_CPU_MEMORY_FRACTION", "0.25"))

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_edsd.checkpoint.config import DEFAULT_ROPE_THETA, SUPPORTED_DTYPES, EDSDConfig
-from vllm_edsd.checkpoint.files import iter_tensors
+from vllm_edsd.checkpoint.files import SUPPORTED_DTYPES, iter_tensors
 from vllm_edsd.checkpoint.layouts import Layout, is_side_tensor, unexpected_hint
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.draft_config import DEFAULT_ROPE_THETA, DraftConfig
 
 DTYPES = {name: getattr(torch, name) for name in SUPPORTED_DTYPES}  # name -> torch dtype
 
@@ -86,7 +86,7 @@ class DraftAttention(nn.Module):
     """Llama attention with the training-time-test key pattern. ``input_size`` differs from
     the hidden size only for EAGLE-3, whose attention reads [embedding, feature] (2d)."""
 
-    def __init__(self, cfg: EDSDConfig, input_size: int | None = None) -> None:
+    def __init__(self, cfg: DraftConfig, input_size: int | None = None) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         d_in = input_size or d
@@ -131,7 +131,7 @@ class SwiGLU(nn.Module):
 
 
 def check_tensor_shapes(
-    cfg: EDSDConfig, shapes: Mapping[str, tuple[int, ...]], layout: Layout,
+    cfg: DraftConfig, shapes: Mapping[str, tuple[int, ...]], layout: Layout,
     model_shapes: Mapping[str, tuple[int, ...]], *, source: str,
 ) -> None:
     """Refuse a checkpoint whose tensor names or shapes do not fit ``cfg``, naming the tensor
@@ -140,7 +140,7 @@ def check_tensor_shapes(
     ``model_shapes`` are the canonical shapes of the drafter to load."""
     expected = layout.rename_from_canonical(model_shapes)
     shapes = {name: shape for name, shape in shapes.items() if not is_side_tensor(name)}
-    optional = set() if cfg.token_norm_folded else {"embed_tokens.weight"}
+    optional = set() if cfg.carries_embedding else {"embed_tokens.weight"}
     if cfg.draft_vocab_size == cfg.vocab_size:
         optional |= {"d2t", "t2d"}
     missing = sorted(set(expected) - set(shapes) - optional)
@@ -171,7 +171,7 @@ class DraftHead(nn.Module):
     the loading of a drafter directory (``from_pretrained``). Subclasses add the draft layer
     (``midlayer``), ``step`` and ``unloaded``."""
 
-    def __init__(self, cfg: EDSDConfig, aux_layer_ids: tuple[int, ...]) -> None:
+    def __init__(self, cfg: DraftConfig, aux_layer_ids: tuple[int, ...]) -> None:
         super().__init__()
         self.config = cfg
         self.aux_layer_ids = tuple(sorted(aux_layer_ids))  # the target features ``fc`` reads, in this order
@@ -243,7 +243,7 @@ class DraftHead(nn.Module):
         self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(weights)})
 
     @classmethod
-    def build(cls, cfg: EDSDConfig, aux_layer_ids: tuple[int, ...]) -> DraftHead:
+    def build(cls, cfg: DraftConfig, aux_layer_ids: tuple[int, ...]) -> DraftHead:
         """A new drafter of this method for ``cfg`` reading the target layers ``aux_layer_ids``."""
         return cls(cfg, aux_layer_ids)
 

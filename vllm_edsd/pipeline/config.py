@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_edsd.checkpoint.config import SUPPORTED_DTYPES, TOKEN_NORMS
+from vllm_edsd.checkpoint.files import SUPPORTED_DTYPES
 from vllm_edsd.errors import EDSDError, is_int, positive_int
 from vllm_edsd.features.shards import BACKENDS  # what runs the target for its features
 from vllm_edsd.methods import METHODS
+from vllm_edsd.methods.edsd.config import TOKEN_NORMS
 from vllm_edsd.methods.registry import EDSD
 
 EXAMPLE = """\

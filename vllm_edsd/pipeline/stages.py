@@ -42,7 +42,7 @@ def run_command(argv: list[str]) -> None:
 def feature_layers(cfg: Config, layers_json: Path) -> list[int]:
     """Every method's layers (EDSD's from EDSelect or the config, EAGLE-3's from the config or
     vLLM's default): the features all drafters train on, extracted once."""
-    from vllm_edsd.checkpoint.config import decoder_layers
+    from vllm_edsd.checkpoint.target import decoder_layers
 
     ids: set[int] = set()
     for name in cfg.train.methods:
@@ -85,7 +85,7 @@ class Plan:
     def length(self, given: int | None, default: int, key: str, reserve: int = 0) -> int | None:
         """A length the stages run the target on (``sequence_length``), checked before any stage
         runs; a target not yet there (``--dry-run``) is left to the stage."""
-        from vllm_edsd.checkpoint.config import sequence_length
+        from vllm_edsd.checkpoint.target import sequence_length
 
         if not (Path(self.target) / "config.json").is_file():
             return given if given is not None else default

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.checkpoint.config import context_length
 from vllm_edsd.checkpoint.files import checkpoint_fingerprint, replace_file
+from vllm_edsd.checkpoint.target import context_length
 from vllm_edsd.data import template_ids
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.transformers_target import device_dtype, load_target

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.checkpoint.config import LAYER_INPUT, sequence_length
 from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.checkpoint.target import LAYER_INPUT, sequence_length
 from vllm_edsd.data import load_conversations, load_sharegpt, render_many
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import decoder_of, fingerprint

@@ -32,13 +32,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from vllm_edsd.checkpoint.config import SPECULATORS_MODEL_TYPE, EDSDConfig, TargetFingerprint, read_config_json
 from vllm_edsd.checkpoint.files import tensor_shapes
+from vllm_edsd.checkpoint.target import TargetFingerprint, read_config_json
 from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.launch.engine import NATIVE_CPU_FLAGS, cpu_computes_natively, cpu_dtype, on_cpu
 from vllm_edsd.methods import EDSD_METHOD, detect_layout
 from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT
+from vllm_edsd.methods.edsd.config import SPECULATORS_MODEL_TYPE, EDSDConfig
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.methods.edsd.model import check_tensors
 from vllm_edsd.serving import cpu_onednn, cpu_sampling, draft_length, lookup, preflight

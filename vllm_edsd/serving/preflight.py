@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vllm_edsd.checkpoint.config import SPECULATORS_MODEL_TYPE, Speculators
 from vllm_edsd.checkpoint.files import load_json
 from vllm_edsd.errors import EDSDError, first_line
+from vllm_edsd.methods.edsd.config import SPECULATORS_MODEL_TYPE, Speculators
 
 DRAFTER = "speculative config 'model'"
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")

@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_edsd.checkpoint.config import RMSNORM, TOKEN_NORMS
 from vllm_edsd.features.samples import add_data_arguments
 from vllm_edsd.methods import METHODS
+from vllm_edsd.methods.edsd.config import RMSNORM, TOKEN_NORMS
 from vllm_edsd.methods.registry import EDSD
 
 from .distributed import DATA_PARALLEL, DDP, connect

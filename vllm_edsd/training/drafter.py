@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import decoder_of
 from vllm_edsd.methods import method
+from vllm_edsd.methods.edsd.config import EDSDConfig
 
 
 def resolve_layers(args: argparse.Namespace, num_layers: int) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_edsd.checkpoint.config import TargetFingerprint, decoder_layers, read_config_json, text_config
+from vllm_edsd.checkpoint.target import TargetFingerprint, decoder_layers, read_config_json, text_config
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.samples import (
     cut_line,

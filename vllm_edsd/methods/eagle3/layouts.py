@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_edsd.checkpoint.config import LAYER_INPUT, RMSNORM, EDSDConfig, read_config_json
 from vllm_edsd.checkpoint.layouts import Layout, NameMap
+from vllm_edsd.checkpoint.target import read_config_json
 from vllm_edsd.errors import EDSDError, is_int
+from vllm_edsd.methods.draft_config import DraftConfig
 
 
 def _has_eagle3_tensors(names: set[str]) -> bool:
@@ -31,10 +32,10 @@ EAGLE3_LAYOUT = Layout(
     describe="an EAGLE-3 drafter",
 )
 
-def read_eagle3_config(path: str | Path) -> tuple[EDSDConfig, tuple[int, int, int]]:
-    """An EAGLE-3 drafter directory's draft layer (as an ``EDSDConfig``, whose EDSD-only fields
-    it does not use) and its three aux layer ids (vLLM's convention), from the config.json
-    vLLM's ``"method": "eagle3"`` reads."""
+
+def read_eagle3_config(path: str | Path) -> tuple[DraftConfig, tuple[int, int, int]]:
+    """An EAGLE-3 drafter directory's draft layer and its three aux layer ids (vLLM's
+    convention), from the config.json vLLM's ``"method": "eagle3"`` reads."""
     raw = read_config_json(path)
     source = f"{path}/config.json"
     if not set(raw.get("architectures") or []) & set(EAGLE3_LAYOUT.architectures):
@@ -45,7 +46,4 @@ def read_eagle3_config(path: str | Path) -> tuple[EDSDConfig, tuple[int, int, in
     if not isinstance(ids, list) or len(set(ids)) != 3 or not all(is_int(i) and i >= 0 for i in ids):
         raise EDSDError(f"{source}: field 'eagle_aux_hidden_state_layer_ids' must list three distinct non-negative "
                         f"target layer ids, got {ids!r:.80}")
-    # EDSDConfig holds two aux layers, as `edsd train --method eagle3` builds it; the model keeps all three.
-    edsd = {"aux_layer_ids": sorted(ids)[:2], "aux_layer_id_convention": LAYER_INPUT,
-            "fuse_intermediate_size": raw.get("intermediate_size"), "token_norm": RMSNORM}
-    return EDSDConfig.from_dict({**raw, "edsd_config": edsd}, source=source), tuple(sorted(ids))
+    return DraftConfig.from_dict(raw, source=source), tuple(sorted(ids))

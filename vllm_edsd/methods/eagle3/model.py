@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vllm_edsd.checkpoint.config import EDSDConfig
 from vllm_edsd.checkpoint.files import cast_floating, write_checkpoint
 from vllm_edsd.checkpoint.layouts import Layout
 from vllm_edsd.methods.blocks import DTYPES, DraftAttention, DraftHead, KeyValueSteps, RMSNorm, SwiGLU
+from vllm_edsd.methods.draft_config import DraftConfig
 from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT, read_eagle3_config
 
 
 class Eagle3DecoderLayer(nn.Module):
-    def __init__(self, cfg: EDSDConfig) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -42,7 +42,7 @@ class Eagle3DraftModel(DraftHead):
     """Same interface as ``EDSDDraftModel`` (project / step / d2t / propose / from_pretrained) so
     one trainer and one instrument serve both."""
 
-    def __init__(self, cfg: EDSDConfig, aux_layer_ids: tuple[int, int, int]) -> None:
+    def __init__(self, cfg: DraftConfig, aux_layer_ids: tuple[int, int, int]) -> None:
         super().__init__(cfg, aux_layer_ids)
         self.midlayer = Eagle3DecoderLayer(cfg)
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from vllm_edsd.checkpoint.config import LAYER_OUTPUT, RMSNORM, EDSDConfig, read_config_json
 from vllm_edsd.checkpoint.layouts import Layout, NameMap, detect_layout
+from vllm_edsd.checkpoint.target import LAYER_OUTPUT, read_config_json
 from vllm_edsd.errors import EDSDError, is_int
 from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT
+from vllm_edsd.methods.edsd.config import RMSNORM, EDSDConfig
 
 
 def _specforge_config(raw: dict, source: str) -> dict:
@@ -51,6 +52,7 @@ EDSD_TRAINING = Layout(
     architectures=("LlamaForCausalLMEDSD",),
     names=NameMap(),
     signature=frozenset({"edfuse.gate_proj.weight"}),
+    config=EDSDConfig,
     write_config=EDSDConfig.to_training_dict,
     describe="an EDSD checkpoint in this project's training layout",
 )
@@ -62,6 +64,7 @@ SPECFORGE_EDSD = Layout(
         "midlayer.hidden_norm.weight": "midlayer.input_layernorm.weight",
     }),
     signature=frozenset({"embnorm.weight"}),
+    config=EDSDConfig,
     translate_config=_specforge_config,
     describe="a SpecForge EdsdDraftModel checkpoint",
 )
@@ -75,6 +78,7 @@ EDSD_VLLM = Layout(
         "edfuse.fuse_down.weight": "edfuse.down_proj.weight",
     }),
     signature=frozenset({"edfuse.feature_gate.weight"}),
+    config=EDSDConfig,
     write_config=EDSDConfig.to_vllm_dict,
     describe="an EDSD drafter in the vLLM layout",
 )

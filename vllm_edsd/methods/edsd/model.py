@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import vllm_edsd.methods.edsd.float16_range as float16_range
-from vllm_edsd.checkpoint.config import LAYERNORM, EDSDConfig
 from vllm_edsd.checkpoint.files import cast_floating, tensor_shapes, write_checkpoint
 from vllm_edsd.checkpoint.layouts import Layout
 from vllm_edsd.errors import EDSDError
@@ -34,6 +33,7 @@ from vllm_edsd.methods.blocks import (
     SwiGLU,
     check_tensor_shapes,
 )
+from vllm_edsd.methods.edsd.config import LAYERNORM, EDSDConfig
 from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING, read_edsd_config
 
 

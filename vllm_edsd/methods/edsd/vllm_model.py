@@ -35,10 +35,11 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.utils import WeightsMapper, get_draft_quant_config, maybe_prefix, process_eagle_weight
 
 import vllm_edsd.methods.edsd.float16_range as float16_range
-from vllm_edsd.checkpoint.config import LAYERNORM, EDSDConfig, TargetFingerprint
 from vllm_edsd.checkpoint.layouts import KV_SCALE, ROPE_CACHES, unexpected_hint
+from vllm_edsd.checkpoint.target import TargetFingerprint
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods.blocks import draft_entropy
+from vllm_edsd.methods.edsd.config import LAYERNORM, EDSDConfig
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.methods.edsd.model import expected_shapes
 
