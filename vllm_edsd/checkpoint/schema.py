@@ -100,7 +100,7 @@ def dotted(path: tuple[str | int, ...]) -> str:
 
 def missing_field(path: tuple[str | int, ...], reading: Reading, exc: Exception) -> None:
     """The error of a required field the file lacks."""
-    raise EDSDError(f"{reading.source}: missing field '{dotted(path)}'")
+    raise EDSDError(f"{reading.source}: missing field '{dotted(path)}'") from None
 
 
 def read_fields(schema: type, raw: dict, source: str, *, block: str | None = None,
