@@ -20,7 +20,9 @@ Writes ``results.json``, ``report.md`` and ``learning_curve.png`` into ``--out``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -57,20 +59,22 @@ def demo_plan(args: argparse.Namespace, largest: int):
 
 def train_point(plan, method: str, size: int, extra: list[str], feature_layers: tuple[int, ...] = ()) -> Path:
     """The drafter trained on the first ``size`` conversations, in a layout vLLM serves, from
-    the features of the plan's layers and ``feature_layers``."""
+    the features of the plan's layers and ``feature_layers``. ``extra`` are `edsd train` flags
+    (an ablation), so the point runs as that command."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
-    from vllm_edsd.pipeline.stages import run_command
+    from vllm_edsd.command import call, command_line
+    from vllm_edsd.training import cli
 
     variant = "".join(extra).replace("-", "").replace("/", "_")
     # another data set or another ablation is another run
     run = plan.work / "curve" / plan.data().stem / (f"{method}-{size}" + (f"-{variant}" if variant else ""))
     if not finished_checkpoint(run / "final"):
-        argv = own_layers(plan.train_argv(method, run), extra)
-        if feature_layers:
-            at = argv.index("--feature-layers") + 1
-            argv[at] = ",".join(map(str, sorted({*feature_layers, *map(int, argv[at].split(","))})))
-        run_command([*argv, "--max-samples", str(size),
-                     "--save-every", str(SAVE_EVERY), *extra])
+        options = plan.train_options(method, run)
+        layers = tuple(sorted({*feature_layers, *options.feature_layers}))
+        options = dataclasses.replace(options, feature_layers=layers, max_samples=size, save_every=SAVE_EVERY)
+        argv = own_layers(command_line("train", options), extra)
+        if call(cli, [*argv[1:], *extra]) != 0:
+            raise EDSDError(f"the training run stopped: {shlex.join([*argv, *extra])}")
     return served_drafter(plan, method, run)
 
 
@@ -86,17 +90,18 @@ def check_built(work: Path, methods: list[str]) -> None:
 
 
 def served_drafter(plan, method: str, run: Path) -> Path:
-    """The drafter of the finished training run ``run`` as vLLM serves it: as it is, or
-    converted once into run/vllm where its method's checkpoints are converted (EDSD's)."""
+    """The drafter of the finished training run ``run`` as vLLM serves it: a checkpoint as
+    trained where its method needs no conversion, else converted once into run/vllm."""
     from vllm_edsd.checkpoint.files import finished_checkpoint
-    from vllm_edsd.methods import METHODS as REGISTRY
-    from vllm_edsd.pipeline.stages import run_command
+    from vllm_edsd.conversion.stage import ConvertOptions
+    from vllm_edsd.conversion.stage import run as convert
+    from vllm_edsd.methods import method as registered
 
-    if not REGISTRY[method].converts:
+    if not registered(method).converts:
         return run / "final"
     served = run / "vllm"
     if not finished_checkpoint(served):
-        run_command(["convert", str(run / "final"), str(served), "--target", plan.target, "--force"])
+        convert(ConvertOptions(src=str(run / "final"), dst=str(served), target=plan.target, force=True))
     return served
 
 

@@ -1,18 +1,26 @@
-"""How an ``edsd`` subcommand is run, shared by ``vllm_edsd.cli`` and the commands that run
-others (``edsd build-demo`` runs ``select``, ``train`` and ``convert``).
+"""How an ``edsd`` subcommand is run, shared by ``vllm_edsd.cli`` and the stages.
 
 A subcommand is one module with ``name``, ``help``, ``add_arguments(parser)`` and
 ``run(args) -> int``. User errors (``EDSDError``) are printed as one clear line with exit
-status 2, never a traceback.
+status 2, never a traceback. A stage of the data flow (select, regenerate, features, train,
+convert) is also a typed call: a frozen dataclass of its options, whose fields are its flags
+(``options_from`` makes it from parsed arguments), and ``command_line`` writes the ``edsd``
+command equivalent to one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from types import ModuleType
+from typing import Any, TypeVar
 
 from vllm_edsd.errors import EDSDError
+
+POSITIONAL = "positional"  # field metadata: the option is a positional argument of its command
+T = TypeVar("T")
 
 
 def add_parser(subparsers, command: ModuleType) -> argparse.ArgumentParser:
@@ -41,3 +49,50 @@ def call(command: ModuleType, argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     command.add_arguments(parser)
     return invoke(command, parser.parse_args(argv))
+
+
+def options_from(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """The stage options ``cls`` (a dataclass whose fields are the subcommand's flags, by dest)
+    from parsed ``args``; ``given`` holds the fields the subcommand converted itself."""
+    return cls(**{f.name: given[f.name] if f.name in given else getattr(args, f.name)
+                  for f in dataclasses.fields(cls) if f.init})
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """The defaults of the stage options ``cls``, for its subcommand's parser
+    (``parser.set_defaults``): the dataclass is where a stage's defaults are written."""
+    return {f.name: field_default(f) for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
+def command_line(name: str, options: Any, **shown: str) -> list[str]:
+    """``edsd NAME ...``'s arguments that run ``options`` (a stage's dataclass), for a person to
+    read or rerun: positional fields (metadata ``POSITIONAL``) first, then ``--flag value`` for
+    each field that differs from its default (a true boolean: ``--flag`` alone). ``shown`` puts
+    text in place of a field's value (one not known yet)."""
+    positional, flags = [], []
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        text = shown.get(f.name)
+        if f.metadata.get(POSITIONAL):
+            positional.append(text or argument_text(value))
+        elif text is not None or value != field_default(f):
+            flag = "--" + f.name.replace("_", "-")
+            flags.extend([flag] if value is True and text is None else [flag, text or argument_text(value)])
+    return [name, *positional, *flags]
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """The value a field takes when it is not given (None for a required one)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def argument_text(value: Any) -> str:
+    """How a flag's value is written on a command line: ids comma-separated, a dict as JSON."""
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)

@@ -5,7 +5,6 @@ template into token ids and an assistant-only loss mask. Nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import random
@@ -119,9 +118,9 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[Conve
     return out
 
 
-def read_conversations(args: argparse.Namespace) -> list:
-    """``--data``'s conversations, or ShareGPT's in ``--seed``'s order; ``--max-samples`` of them."""
-    return load_conversations(args.data, args.max_samples) if args.data else load_sharegpt(args.max_samples, args.seed)
+def read_conversations(data: str | None, max_samples: int | None, seed: int) -> list:
+    """``data``'s conversations (a file), or ShareGPT's in ``seed``'s order; ``max_samples`` of them."""
+    return load_conversations(data, max_samples) if data else load_sharegpt(max_samples, seed)
 
 
 def load_humaneval() -> list[dict]:

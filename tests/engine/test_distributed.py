@@ -19,8 +19,10 @@ from support.toy import make_target, toy_corpus
 
 from vllm_edsd.cli import build_parser, main
 from vllm_edsd.launch.server import free_port
+from vllm_edsd.training import cli as train_cli
+from vllm_edsd.training.fitter import Fitter
 from vllm_edsd.training.job import prepare
-from vllm_edsd.training.trainer import Fitter, count_batches, epoch_batches
+from vllm_edsd.training.trainer import count_batches, epoch_batches
 
 RANKS = 2
 LR = 3e-3
@@ -131,7 +133,7 @@ def one_process(setup) -> dict[str, torch.Tensor]:
     """The weights one process ends with stepping on the union of both ranks' batch i (size
     2b, the real ``ttt_loss`` and optimizer step) for ``RUN``'s 8 AdamW steps."""
     out = setup["root"] / "one"
-    job = prepare(build_parser("train").parse_args(train_args(setup, out, *RUN)))
+    job = prepare(train_cli.options(build_parser("train").parse_args(train_args(setup, out, *RUN))))
     fitter, b = Fitter(job.model, job.draft_head, job.recipe), job.recipe.batch_size
     generators = [torch.Generator().manual_seed(job.recipe.seed + rank) for rank in range(RANKS)]
     steps = min(count_batches(job.shards[rank::RANKS], b) for rank in range(RANKS))

@@ -5,6 +5,7 @@ the pipeline on the demo's description, with the demo recipe's training argument
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from support.toy import make_target, toy_corpus
 
 from vllm_edsd.checkpoint.files import finished_checkpoint
 from vllm_edsd.cli import main
+from vllm_edsd.training.options import TrainOptions
 
 TRAINING = {"methods": ["edsd", "eagle3"], "epochs": 5, "ttt_steps": 3, "lr": 3e-3, "batch_size": 4, "max_samples": 16,
             "draft_vocab_size": 256, "max_length": 64, "seed": 0, "device": "cpu"}
@@ -130,17 +132,63 @@ def test_dry_run_shows_each_command_and_runs_nothing(toy, tmp_path, capsys):
     assert not work.exists()
 
 
+def test_each_stage_shown_is_the_command_that_runs_it(toy, tmp_path):
+    """The ``edsd`` command a stage shows (``--dry-run``, the log), parsed by that subcommand,
+    gives the very options the pipeline calls the stage with."""
+    import importlib
+
+    from vllm_edsd.cli import COMMANDS, build_parser
+    from vllm_edsd.command import command_line
+    from vllm_edsd.pipeline.config import load_config
+    from vllm_edsd.pipeline.stages import Plan
+
+    plan = Plan(load_config(toy_config(toy, tmp_path / "work", data={"regenerate": True})))
+    engine = {"tensor_parallel_size": 1, "enforce_eager": True}
+    stages = {"select": plan.select_options(), "regenerate": plan.regenerate_options(),
+              "features": dataclasses.replace(plan.features_options(), vllm_args=engine),
+              "convert": plan.convert_options(),
+              **{f"train-{m}": plan.train_options(m) for m in TRAINING["methods"]}}
+    for stage, options in stages.items():
+        name = stage.split("-")[0]
+        argv = command_line(name, options)
+        assert importlib.import_module(COMMANDS[name]).options(build_parser(name).parse_args(argv)) == options, argv
+
+
+def test_each_stage_command_defaults_to_its_options_defaults():
+    """A subcommand given only what it requires runs its stage with the options' own defaults:
+    the dataclass is where they are written."""
+    import importlib
+
+    from vllm_edsd.cli import COMMANDS, build_parser
+    from vllm_edsd.conversion.stage import ConvertOptions
+    from vllm_edsd.features.stage import FeaturesOptions
+    from vllm_edsd.regeneration.stage import RegenerateOptions
+    from vllm_edsd.selection.stage import SelectOptions
+
+    given = {"select": (["T", "--out", "o"], SelectOptions(target="T", out="o")),
+             "regenerate": (["T", "--out", "o"], RegenerateOptions(target="T", out="o")),
+             "features": (["T", "--cache", "c", "--feature-layers", "1,2"],
+                          FeaturesOptions(target="T", cache="c", feature_layers=(1, 2))),
+             "train": (["T", "--out", "o"], TrainOptions(target="T", out="o")),
+             "convert": (["s", "d"], ConvertOptions(src="s", dst="d"))}
+    for name, (argv, options) in given.items():
+        assert importlib.import_module(COMMANDS[name]).options(build_parser(name).parse_args([name, *argv])) == options
+
+
 def test_edsd_only_keys_reach_edsd_alone(toy, tmp_path):
     """``train.token_norm`` is a part of EDSD's architecture: EAGLE-3's run is given the rest of
     the budget without it (its ``edsd train`` would train the same model either way)."""
+    from vllm_edsd.command import command_line
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
 
     plan = Plan(load_config(toy_config(toy, tmp_path / "work", train={"token_norm": "layernorm"})))
-    edsd, eagle3 = plan.train_argv("edsd"), plan.train_argv("eagle3")
-    assert edsd[edsd.index("--token-norm") + 1] == "layernorm" and "--token-norm" not in eagle3
-    assert [a for a in edsd if a.startswith("--") and a not in ("--token-norm", "--layers")] == \
-        [a for a in eagle3 if a.startswith("--") and a != "--layers"]
+    edsd, eagle3 = plan.train_options("edsd"), plan.train_options("eagle3")
+    assert edsd.token_norm == "layernorm" and eagle3.token_norm == TrainOptions.token_norm
+    assert dataclasses.replace(edsd, token_norm=eagle3.token_norm, layers=None, method="eagle3", out=eagle3.out) == \
+        dataclasses.replace(eagle3, layers=None)
+    argv = command_line("train", edsd)
+    assert argv[argv.index("--token-norm") + 1] == "layernorm" and "--token-norm" not in command_line("train", eagle3)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -211,17 +259,14 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     plan = Plan(load_config(build.PIPELINE, build.demo_overrides(flags, toy["target"])))
     (tmp_path / "layers.json").write_text(json.dumps({"aux_layer_ids": [1, 3]}))
     data = str(tmp_path / "regenerated-8070chat-1973code-192tokens-seed0.jsonl")
-    argv = plan.train_argv("edsd")
-    pairs = dict(zip(argv[2::2], argv[3::2]))
-    assert argv[:2] == ["train", str(toy["target"])] and pairs == {
-        "--out": str(tmp_path / "edsd"), "--method": "edsd", "--layers-from": str(tmp_path / "layers.json"),
-        "--data": data, "--epochs": "2", "--ttt-steps": "4", "--lr": "0.001", "--lr-schedule": "cosine",
-        "--weight-decay": "0", "--token-norm": "layernorm", "--draft-vocab-size": "4096",
-        "--max-length": "448", "--batch-size": "8", "--seed": "0", "--device": "cpu", "--save-every": "100",
-        "--cache": str(tmp_path / "cache"), "--feature-layers": "1,2,3"}
-    eagle3 = plan.train_argv("eagle3")
-    assert "--layers-from" not in eagle3 and "--token-norm" not in eagle3
-    assert eagle3[eagle3.index("--lr-schedule") + 1] == "cosine" and eagle3[eagle3.index("--weight-decay") + 1] == "0"
+    assert plan.train_options("edsd") == TrainOptions(
+        target=str(toy["target"]), out=str(tmp_path / "edsd"), method="edsd", layers_from=str(tmp_path / "layers.json"),
+        data=data, epochs=2, ttt_steps=4, lr=0.001, lr_schedule="cosine", weight_decay=0, token_norm="layernorm",
+        draft_vocab_size=4096, max_length=448, batch_size=8, seed=0, device="cpu", save_every=100,
+        cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
+    eagle3 = plan.train_options("eagle3")
+    assert eagle3.layers_from is None and eagle3.token_norm == TrainOptions.token_norm
+    assert eagle3.lr_schedule == "cosine" and eagle3.weight_decay == 0
     assert plan.cfg.data.exclude == [prompt for _, prompt in DEMO_PROMPTS]
-    assert plan.convert_argv()[-5:] == ["--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dtype", "float16",
-                                        "--force"]
+    convert = plan.convert_options()
+    assert (convert.verifier, convert.dtype, convert.force) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "float16", True)

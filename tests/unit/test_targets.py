@@ -232,7 +232,7 @@ def test_the_pipeline_follows_the_target_and_refuses_a_longer_length_before_any_
 
     plan = Plan(load_config(config("")))
     assert plan.train.max_length == CONTEXT - 1
-    assert "--max-length" not in plan.select_argv()  # `edsd select` follows the target itself
+    assert plan.select_options().max_length is None  # `edsd select` follows the target itself
     capsys.readouterr()
     assert main(["pipeline", str(config("max_length = 2048\n"))]) == 2
     err = capsys.readouterr().err

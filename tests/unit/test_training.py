@@ -14,8 +14,9 @@ from vllm_edsd.features.hidden_states import token_entropy
 from vllm_edsd.methods.blocks import KeyValueSteps
 from vllm_edsd.methods.edsd.config import EDSDConfig
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
+from vllm_edsd.training.loss import ttt_loss
+from vllm_edsd.training.recipe import Recipe
 from vllm_edsd.training.schedule import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
-from vllm_edsd.training.trainer import Recipe, ttt_loss
 from vllm_edsd.training.vocab import build_vocab_mapping
 
 
@@ -198,7 +199,7 @@ def test_a_prefix_of_the_samples_reuses_its_shards(models, monkeypatch, tmp_path
 
 def test_feature_noise_is_relative_to_each_layers_scale():
     """A quiet early layer and a loud late one get the same relative perturbation."""
-    from vllm_edsd.training.trainer import add_feature_noise
+    from vllm_edsd.training.loss import add_feature_noise
 
     torch.manual_seed(0)
     quiet, loud = torch.randn(4, 64, 32) * 0.01, torch.randn(4, 64, 32) * 100

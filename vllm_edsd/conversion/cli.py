@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from vllm_edsd.checkpoint.files import SUPPORTED_DTYPES
 from vllm_edsd.checkpoint.target import LAYER_ID_CONVENTIONS
+from vllm_edsd.command import defaults, options_from
 from vllm_edsd.methods.edsd.config import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 
-from .converter import convert
+from .stage import ConvertOptions
+from .stage import run as convert
 
 EPILOG = """\
 SRC is an EDSD drafter as training wrote it, recognised by its architecture name or its
@@ -55,24 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target vLLM loads when DST is served alone (`vllm serve DST`): a directory or "
                              "a model hub id (default: --target, made absolute; without either DST is served "
                              "only with --speculative-config)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS, metavar="K",
+    parser.add_argument("--num-speculative-tokens", type=int, metavar="K",
                         help=f"draft length K when DST is served alone, 1..{MAX_SPECULATIVE_TOKENS} "
                              f"(default: {DEFAULT_SPECULATIVE_TOKENS})")
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.set_defaults(**defaults(ConvertOptions))
+
+
+def options(args: argparse.Namespace) -> ConvertOptions:
+    """The parsed arguments as the stage's options."""
+    return options_from(ConvertOptions, args)
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(items, total):
-        if not sys.stderr.isatty():
-            return items
-        from tqdm import tqdm
-
-        return tqdm(items, total=total, desc="converting", unit="tensor")
-
-    summary = convert(
-        args.src, args.dst, dtype=args.dtype, target=args.target, fold_token_norm=args.fold_token_norm,
-        layer_id_convention=args.layer_id_convention, verifier=args.verifier,
-        num_speculative_tokens=args.num_speculative_tokens, force=args.force, progress=progress,
-    )
-    print(summary.render())
+    convert(options(args))
     return 0

@@ -37,7 +37,7 @@ from vllm_edsd.checkpoint.layouts import ROPE_CACHES, Layout
 from vllm_edsd.checkpoint.target import LAYER_ID_CONVENTIONS, TargetFingerprint, read_config_json, text_config
 from vllm_edsd.checkpoint.vocab import check_vocab_mapping
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.methods import detect_layout
+from vllm_edsd.methods import EDSD_METHOD, detect_layout
 from vllm_edsd.methods.blocks import DTYPES
 from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT
 from vllm_edsd.methods.edsd.config import DEFAULT_SPECULATIVE_TOKENS, EDSDConfig, Speculators, check_speculative_tokens
@@ -92,22 +92,20 @@ class Summary:
         norm = f"{self.token_norm}, " + (
             "folded into a draft-owned embedding table" if self.folded else "kept; embedding shared with the target"
         )
-        spec = {"method": "edsd", "model": self.dst, "num_speculative_tokens": self.num_speculative_tokens}
-        return "\n".join(
-            [
-                f"converted   {self.src} ({self.layout})",
-                f"        ->  {self.dst}",
-                f"parameters  {self.parameters:,} ({self.dtype})",
-                f"vocabulary  draft {self.draft_vocab_size:,} of target {self.vocab_size:,}",
-                f"aux layers  {self.source_layer_ids} ({self.source_convention}) = "
-                f"{self.vllm_layer_ids} in vLLM's convention",
-                f"token norm  {norm}",
-                f"embedding   {self.embedding}",
-                f"target      {self._target_checked()}",
-                f"serve with  --speculative-config {json.dumps(spec)}",
-                f"or alone    {self._served_alone()}",
-            ]
-        )
+        spec = {"method": EDSD_METHOD.name, "model": self.dst, "num_speculative_tokens": self.num_speculative_tokens}
+        return "\n".join([
+            f"converted   {self.src} ({self.layout})",
+            f"        ->  {self.dst}",
+            f"parameters  {self.parameters:,} ({self.dtype})",
+            f"vocabulary  draft {self.draft_vocab_size:,} of target {self.vocab_size:,}",
+            f"aux layers  {self.source_layer_ids} ({self.source_convention}) = "
+            f"{self.vllm_layer_ids} in vLLM's convention",
+            f"token norm  {norm}",
+            f"embedding   {self.embedding}",
+            f"target      {self._target_checked()}",
+            f"serve with  --speculative-config {json.dumps(spec)}",
+            f"or alone    {self._served_alone()}",
+        ])
 
 
 def resolve_source(src: Path) -> Path:

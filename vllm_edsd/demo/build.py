@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
+from vllm_edsd.methods import METHODS
 from vllm_edsd.pipeline.config import load_config
 from vllm_edsd.pipeline.stages import Plan, run_pipeline
 
-from . import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, measure_acceptance
+from . import ACCEPTANCE_CHECK, ASSETS, DEMO_PROMPTS, DRAFTERS, measure_acceptance
 from .target import HUB_ID, demo_target
 
 PIPELINE = Path(__file__).with_name("pipeline.toml")  # the demo's recipe
@@ -43,7 +44,7 @@ OVERRIDES = {"device": [("train", "device")], "chat_prompts": [("data", "sharegp
              "seed": [("data", "seed"), ("train", "seed")]}
 # build-demo's --stop-after names -> the pipeline's stages
 STOPS = {"prompts": "data", "regenerate": "regenerate", "select": "select", "features": "features",
-         "edsd": "train-edsd", "eagle3": "train-eagle3", "convert": "convert"}
+         **{m: f"train-{m}" for m in DRAFTERS}, "convert": "convert"}
 
 
 # The `edsd build-demo` subcommand (vllm_edsd.command).
@@ -99,17 +100,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def ship(work: Path, target: Path, converted: Path) -> None:
-    """Copy both drafters (fp16), EDSelect's choice and the training logs into the package,
-    with each drafter's acceptance on the demo prompts (``acceptance.json``, what the tests check)."""
+    """Copy both drafters (fp16: EDSD's converted, the others' checkpoints as trained), EDSelect's
+    choice and the training logs into the package, with each drafter's acceptance on the demo
+    prompts (``acceptance.json``, what the tests check)."""
     from vllm_edsd.checkpoint.files import atomic_directory, cast_checkpoint
 
     with atomic_directory(ASSETS, force=True) as staging:
-        shutil.copytree(converted, staging / "edsd")
-        cast_checkpoint(work / "eagle3" / "final", staging / "eagle3", torch.float16)
-        for name in ("layers.json", "edsd/train_log.jsonl", "eagle3/train_log.jsonl"):
-            shutil.copy(work / name, staging / name.replace("/", "_"))
+        for method in DRAFTERS:
+            if METHODS[method].converts:
+                shutil.copytree(converted, staging / method)
+            else:
+                cast_checkpoint(work / method / "final", staging / method, torch.float16)
+            shutil.copy(work / method / "train_log.jsonl", staging / f"{method}_train_log.jsonl")
+        shutil.copy(work / "layers.json", staging / "layers.json")
         record = {"settings": ACCEPTANCE_CHECK}
-        for method in ("edsd", "eagle3"):
+        for method in DRAFTERS:
             record[method] = measure_acceptance(str(target), method, str(staging / method))
             print(f"{method}: tau {record[method]['tau']:.2f} on the demo prompts")
         (staging / "acceptance.json").write_text(json.dumps(record, indent=1) + "\n")

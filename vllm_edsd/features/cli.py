@@ -10,19 +10,12 @@ and runs no target forward. Resumable: shards already written are kept.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from vllm_edsd.checkpoint.target import decoder_layers
+from vllm_edsd.command import defaults, options_from
 
-from .samples import (
-    add_data_arguments,
-    cut_line,
-    feature_shards,
-    resolve_feature_layers,
-    resolve_max_length,
-    training_samples,
-)
-from .shards import manifest_path
+from .samples import add_data_arguments, layer_ids
+from .stage import FeaturesOptions
+from .stage import run as extract
 
 EPILOG = """\
 examples:
@@ -44,19 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-layers", required=True,
                         help="layer ids (vLLM convention) whose features are stored: those of every drafter to train")
     add_data_arguments(parser)
+    parser.set_defaults(**defaults(FeaturesOptions))
+
+
+def options(args: argparse.Namespace) -> FeaturesOptions:
+    """The parsed arguments as the stage's options."""
+    return options_from(FeaturesOptions, args, feature_layers=layer_ids(args.feature_layers, "--feature-layers"))
 
 
 def run(args: argparse.Namespace) -> int:
-    layers = resolve_feature_layers(args.feature_layers, (), decoder_layers(args.target))
-    cache = Path(args.cache)
-    length_set_by = resolve_max_length(args)
-    samples, read, skipped, cut = training_samples(args, cache)
-    if cut:
-        print(cut_line(cut, len(samples), args.max_length, length_set_by))
-    shards = feature_shards(args, samples, layers, cache)
-    positions = sum(len(ids) for ids, _ in samples)
-    stored = sum(path.stat().st_size for path in shards)
-    print(f"features: {len(samples)} samples of {read} conversations ({skipped} not renderable), {positions:,} "
-          f"positions, layers {list(layers)}: {len(shards)} shards, {stored / 2**20:,.1f} MiB in {cache / 'features'}")
-    print(f"manifest: {manifest_path(cache / 'features', shards)}")
+    extract(options(args))
     return 0

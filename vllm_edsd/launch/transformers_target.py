@@ -24,3 +24,8 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.float32, device:
 def device_dtype(device: str) -> str:
     """The target's dtype where none is asked for: float32 on a CPU, bfloat16 on an accelerator."""
     return "float32" if device == "cpu" else "bfloat16"
+
+
+def default_device(device: str | None = None) -> str:
+    """``device``, or where none is given the GPU where there is one, else the CPU."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -11,6 +11,7 @@ A field whose type admits None is optional with None as its default: the stage's
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,9 +23,9 @@ from vllm_edsd.errors import EDSDError, is_int, positive_int
 from vllm_edsd.features.shards import BACKENDS  # what runs the target for its features
 from vllm_edsd.methods import METHODS
 from vllm_edsd.methods.edsd.config import TOKEN_NORMS
-from vllm_edsd.methods.registry import EDSD
+from vllm_edsd.methods.registry import EAGLE3, EDSD
 
-EXAMPLE = """\
+EXAMPLE = f"""\
 # edsd pipeline smollm2.toml            (relative paths are relative to this file)
 [target]
 path = "models/SmolLM2-135M-Instruct"   # transformers directory (required)
@@ -47,7 +48,7 @@ select_samples = 64
 select_max_length = 384
 
 [train]                                  # a key left out: `edsd train`'s default
-methods = ["edsd", "eagle3"]
+methods = {json.dumps([EDSD, EAGLE3])}
 epochs = 5
 ttt_steps = 4
 lr = 1e-3

@@ -1,13 +1,14 @@
-"""The pipeline's stages (``Plan``: each one's output, whether it is finished, what it runs)
-and the runner (``run_pipeline``): the stages not yet done run in order, each skipped when its
-output is finished; an interrupted one goes on where it stopped when the same config is rerun.
+"""The pipeline's stages (``Plan``: each one's output, whether it is finished, the options it
+runs with) and the runner (``run_pipeline``): the stages not yet done run in order, each
+skipped when its output is finished; an interrupted one goes on where it stopped when the same
+config is rerun. A stage of the flow is a call of its room's typed API (``run(options)``),
+shown as the ``edsd`` command that does the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import importlib.util
 import json
 import shlex
@@ -16,27 +17,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_edsd.checkpoint.files import finished_checkpoint
+from vllm_edsd.command import command_line
+from vllm_edsd.conversion.stage import ConvertOptions
 from vllm_edsd.errors import EDSDError
+from vllm_edsd.features.stage import FeaturesOptions
 from vllm_edsd.methods import METHODS
 from vllm_edsd.methods.registry import EDSD
+from vllm_edsd.regeneration.stage import RegenerateOptions
+from vllm_edsd.selection.stage import SelectOptions
+from vllm_edsd.training.options import TrainOptions
 
 from .config import Config
 from .conversations import drafter_prompts, write_conversations
 
-# The `edsd` subcommands the stages run, each through its own module.
-COMMANDS = {"select": "vllm_edsd.selection.cli", "features": "vllm_edsd.features.cli",
-            "train": "vllm_edsd.training.cli", "convert": "vllm_edsd.conversion.cli"}
-
-
-def run_command(argv: list[str]) -> None:
-    """``edsd NAME ARGS...`` through the subcommand's own module (the ``edsd`` table is above
-    the pipeline)."""
-    from vllm_edsd.command import call
-
-    if call(importlib.import_module(COMMANDS[argv[0]]), argv[1:]) != 0:
-        raise EDSDError(f"the pipeline stopped at `edsd {shlex.join(argv)}`")
+# What --dry-run shows for the feature layers before EDSelect has chosen its own.
+LAYERS_FROM_SELECT = "LAYERS_FROM_SELECT"
 
 
 def feature_layers(cfg: Config, layers_json: Path) -> list[int]:
@@ -57,24 +55,21 @@ def feature_layers(cfg: Config, layers_json: Path) -> list[int]:
     return sorted(ids)
 
 
-def joined(ids: list[int]) -> str:
-    return ",".join(map(str, ids))
-
-
-def flags(**values: object) -> list[str]:
-    """``--key value`` for each key that is set (an unset one: the command's own default)."""
-    return [arg for key, value in values.items() if value is not None
-            for arg in (f"--{key.replace('_', '-')}", str(value))]
+def set_only(**values: Any) -> dict[str, Any]:
+    """The values the config sets (an unset one, None, leaves the stage's own default)."""
+    return {key: value for key, value in values.items() if value is not None}
 
 
 class Plan:
-    """The stages of one config: their outputs, whether they are finished, what they run."""
+    """The stages of one config: their outputs, whether they are finished, the options each
+    stage runs with."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.target = cfg.target.path
         self.work = Path(cfg.output.work)
         self.layers_json = self.work / "layers.json"
+        self.cache = str(self.work / "cache")
         train = cfg.train
         if train.max_length is None and cfg.data.regenerate:
             # a prompt of up to 256 tokens and its answer, as far as the target's context holds them
@@ -126,41 +121,39 @@ class Plan:
         digest.update(str(self.train.max_samples).encode())
         return self.work / f"regenerated-{source.stem}-{digest.hexdigest()[:12]}-{tokens}tokens.jsonl"
 
-    def regenerate(self) -> None:
-        from vllm_edsd.data import load_conversations
-        from vllm_edsd.regeneration.answers import regenerate
-
+    def regenerate_options(self) -> RegenerateOptions:
+        """The target answers the prompts (of a given file, as many as training reads)."""
         data = self.cfg.data
-        limit = self.train.max_samples if data.file else None
-        answered = regenerate(self.target, load_conversations(self.prompts(), limit), self.work / "cache",
-                              data.answer_tokens, self.cfg.target.vllm, device=self.train.device)
-        write_conversations(self.data(), answered)
+        return RegenerateOptions(target=self.target, out=str(self.data()), data=str(self.prompts()),
+                                 max_samples=self.train.max_samples if data.file else None,
+                                 answer_tokens=data.answer_tokens, cache=self.cache, device=self.train.device,
+                                 vllm_args=self.cfg.target.vllm)
 
-    # -- select, features, train, convert: `edsd` subcommands
-    def select_argv(self) -> list[str]:
+    # -- select, features, train, convert
+    def select_options(self) -> SelectOptions:
         layers = self.cfg.layers
-        plot = ["--plot", str(self.work / "layers.png")] if importlib.util.find_spec("matplotlib") else []
-        return ["select", self.target, "--data", str(self.data()), "--samples", str(layers.select_samples),
-                *flags(max_length=layers.select_max_length), "--out", str(self.layers_json),
-                *plot, *flags(seed=self.train.seed, device=self.train.device)]
+        plot = str(self.work / "layers.png") if importlib.util.find_spec("matplotlib") else None
+        return SelectOptions(target=self.target, out=str(self.layers_json), data=str(self.data()),
+                             samples=layers.select_samples, max_length=layers.select_max_length, plot=plot,
+                             **set_only(seed=self.train.seed, device=self.train.device))
 
-    def feature_ids(self) -> str:
-        if EDSD in self.train.methods and not self.cfg.layers.edsd and not self.layers_json.is_file():
-            return "LAYERS_FROM_SELECT"  # --dry-run before select: EDSelect's and the other methods' layers
-        return joined(feature_layers(self.cfg, self.layers_json))
+    def feature_ids(self) -> tuple[int, ...] | None:
+        """Every method's layers, or None before EDSelect has chosen those it chooses (a
+        ``--dry-run`` before ``select``)."""
+        if any(map(self.selects_layers, self.train.methods)) and not self.layers_json.is_file():
+            return None
+        return tuple(feature_layers(self.cfg, self.layers_json))
 
-    def features_argv(self) -> list[str]:
-        engine, train = self.cfg.target.vllm, self.train
-        return ["features", self.target, "--data", str(self.data()), "--cache", str(self.work / "cache"),
-                "--feature-layers", self.feature_ids(),
-                *flags(max_length=train.max_length, max_samples=train.max_samples, device=train.device),
-                *self.backend_flag(), *(["--vllm-args", json.dumps(engine)] if engine else [])]
+    def selects_layers(self, method: str) -> bool:
+        """Whether ``method`` trains on EDSelect's layers: the config names none, nor does the method."""
+        return not getattr(self.cfg.layers, method) and METHODS[method].default_layers is None
 
-    def backend_flag(self) -> list[str]:
-        """The features' backend, given to ``features`` and ``train`` alike: it is part of the
-        shards' key, so train finds what features wrote."""
-        backend = self.cfg.target.features_backend
-        return ["--features-backend", backend] if backend else []
+    def features_options(self) -> FeaturesOptions:
+        train = self.train
+        return FeaturesOptions(target=self.target, data=str(self.data()), cache=self.cache,
+                               feature_layers=self.feature_ids() or (), vllm_args=self.cfg.target.vllm,
+                               **set_only(max_length=train.max_length, max_samples=train.max_samples,
+                                          device=train.device, features_backend=self.cfg.target.features_backend))
 
     def features_marker(self) -> Path:
         return self.work / "features.done"
@@ -169,59 +162,76 @@ class Plan:
         """The same extraction finished before (the shards are content-named; the marker names
         the command that wrote them)."""
         marker = self.features_marker()
-        return marker.is_file() and marker.read_text() == shlex.join(self.features_argv())
+        return marker.is_file() and marker.read_text() == self.shown("features", self.features_options())
 
     def extract_features(self) -> None:
-        argv = self.features_argv()
-        run_command(argv)
-        self.features_marker().write_text(shlex.join(argv))
+        from vllm_edsd.features.stage import run
 
-    def train_argv(self, method: str, out: Path | None = None) -> list[str]:
-        """``edsd train`` for one method, into ``out`` (default ``WORK/METHOD``)."""
+        options = self.features_options()
+        run(options)
+        self.features_marker().write_text(self.shown("features", options))
+
+    def train_options(self, method: str, out: Path | None = None) -> TrainOptions:
+        """``edsd train``'s options for one method, into ``out`` (default ``WORK/METHOD``): the
+        same data, features, budget and seed for every method; the features' backend is part of
+        the shards' key, so training finds what ``features`` wrote."""
         given = getattr(self.cfg.layers, method)
-        if given:
-            own = ["--layers", joined(given)]
-        else:
-            own = ["--layers-from", str(self.layers_json)] if METHODS[method].default_layers is None else []
-        return ["train", self.target, "--out", str(out or self.work / method), "--method", method, *own,
-                "--data", str(self.data()), *flags(**self.train.budget(method)),
-                "--cache", str(self.work / "cache"), "--feature-layers", self.feature_ids(), *self.backend_flag()]
+        return TrainOptions(target=self.target, out=str(out or self.work / method), method=method,
+                            layers=tuple(given) if given else None,
+                            layers_from=str(self.layers_json) if self.selects_layers(method) else None,
+                            data=str(self.data()), cache=self.cache, feature_layers=self.feature_ids(),
+                            **set_only(features_backend=self.cfg.target.features_backend,
+                                       **self.train.budget(method)))
 
     def converted(self) -> Path:
-        return self.work / "edsd-vllm"
+        return self.work / f"{EDSD}-vllm"
 
-    def convert_argv(self) -> list[str]:
+    def convert_options(self) -> ConvertOptions:
         out = self.cfg.output
-        verifier = ["--verifier", self.cfg.target.verifier] if self.cfg.target.verifier else []
-        dtype = ["--dtype", out.dtype] if out.dtype else []
-        return ["convert", str(self.work / EDSD / "final"), str(self.converted()), "--target", self.target,
-                *verifier, *dtype, "--force"]
+        return ConvertOptions(src=str(self.work / EDSD / "final"), dst=str(self.converted()), target=self.target,
+                              verifier=self.cfg.target.verifier, dtype=out.dtype, force=True)
+
+    def shown(self, name: str, options: Any) -> str:
+        """The ``edsd`` command equivalent to a stage's options (what --dry-run and the log
+        show); feature layers not chosen yet are named so."""
+        unknown = {"feature_layers": LAYERS_FROM_SELECT} if self.feature_ids() is None else {}
+        return "edsd " + shlex.join(command_line(name, options, **unknown))
 
     def stages(self) -> list[Stage]:
+        from vllm_edsd.conversion.stage import run as convert
+        from vllm_edsd.regeneration.stage import run as regenerate
+        from vllm_edsd.selection.stage import run as select
+        from vllm_edsd.training.stage import run as train
+
         data, methods = self.cfg.data, self.train.methods
         stages = [
             Stage("data", self.prompts(), self.prompts().is_file, self.write_prompts,
                   lambda: f"given: {data.file}" if data.file else
                   f"write {data.sharegpt_chat} chat + {data.sharegpt_code} code ShareGPT prompts"),
-            Stage("regenerate", self.data(), self.data().is_file, self.regenerate,
-                  lambda: f"the target answers the prompts through vLLM, else transformers "
-                          f"({data.answer_tokens} tokens at most)",
-                  None if data.regenerate else "data.regenerate is false"),
-            command_stage("select", self.layers_json, self.layers_json.is_file, self.select_argv,
-                          "layers.edsd given" if self.cfg.layers.edsd else
-                          None if EDSD in methods else f"no {EDSD} in train.methods"),
+            self.stage("regenerate", self.data(), self.data().is_file, regenerate, self.regenerate_options,
+                       None if data.regenerate else "data.regenerate is false"),
+            self.stage("select", self.layers_json, self.layers_json.is_file, select, self.select_options,
+                       f"layers.{EDSD} given" if getattr(self.cfg.layers, EDSD) else
+                       None if EDSD in methods else f"no {EDSD} in train.methods"),
             Stage("features", self.features_marker(), self.features_finished, self.extract_features,
-                  lambda: "edsd " + shlex.join(self.features_argv())),
+                  lambda: self.shown("features", self.features_options())),
         ]
         for method in methods:
             final = self.work / method / "final"
-            stages.append(command_stage(f"train-{method}", final, lambda f=final: finished_checkpoint(f),
-                                        lambda m=method: self.train_argv(m)))
-        stages.append(command_stage("convert", self.converted(), lambda: finished_checkpoint(self.converted()),
-                                    self.convert_argv,
-                                    None if EDSD in methods and self.cfg.output.convert else
-                                    "output.convert is false" if EDSD in methods else f"no {EDSD} drafter"))
+            stages.append(self.stage(f"train-{method}", final, lambda f=final: finished_checkpoint(f), train,
+                                     lambda m=method: self.train_options(m), command="train"))
+        stages.append(self.stage("convert", self.converted(), lambda: finished_checkpoint(self.converted()),
+                                 convert, self.convert_options,
+                                 None if EDSD in methods and self.cfg.output.convert else
+                                 "output.convert is false" if EDSD in methods else f"no {EDSD} drafter"))
         return stages
+
+    def stage(self, name: str, output: Path, finished: Callable[[], bool], run: Callable[[Any], Any],
+              options: Callable[[], Any], skipped: str | None = None, command: str | None = None) -> Stage:
+        """A stage that is one call of a stage's typed API (``run(options())``), shown as the
+        ``edsd`` command that does the same."""
+        return Stage(name, output, finished, lambda: run(options()),
+                     lambda: self.shown(command or name, options()), skipped)
 
 
 @dataclass
@@ -234,12 +244,6 @@ class Stage:
     make: Callable[[], None]
     show: Callable[[], str]  # what it runs, for --dry-run and the log
     skipped: str | None = None  # why it does not run at all
-
-
-def command_stage(name: str, output: Path, finished: Callable[[], bool], argv: Callable[[], list[str]],
-                  skipped: str | None = None) -> Stage:
-    """A stage that is one ``edsd`` subcommand."""
-    return Stage(name, output, finished, lambda: run_command(argv()), lambda: "edsd " + shlex.join(argv()), skipped)
 
 
 # ---------------------------------------------------------------- running them

@@ -18,7 +18,7 @@ from vllm_edsd.checkpoint.files import checkpoint_fingerprint, replace_file
 from vllm_edsd.checkpoint.target import context_length
 from vllm_edsd.data import template_ids
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.launch.transformers_target import device_dtype, load_target
+from vllm_edsd.launch.transformers_target import default_device, device_dtype, load_target
 
 REGENERATE_CHUNK = 256  # conversations per cached file: an interrupted regeneration loses at most one
 GENERATION_BACKENDS = ("auto", "vllm", "transformers")
@@ -149,7 +149,7 @@ def replier(
         return
     from .greedy import greedy_answers
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
     model = load_target(target, dtype=getattr(torch, device_dtype(device)), device=device)
     budget = TOKEN_BUDGET["cpu" if device == "cpu" else "accelerator"]
     window = context_length(target)

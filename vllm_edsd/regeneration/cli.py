@@ -10,15 +10,13 @@ not yet written. ``--vllm-args`` passes engine arguments (tensor parallelism...)
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from vllm_edsd.checkpoint.files import replace_file
-from vllm_edsd.data import read_conversations
-from vllm_edsd.errors import positive_int
+from vllm_edsd.command import defaults, options_from
 from vllm_edsd.launch.engine import add_vllm_arguments
 
-from .answers import GENERATION_BACKENDS, regenerate
+from .answers import GENERATION_BACKENDS
+from .stage import RegenerateOptions
+from .stage import run as regenerate
 
 EPILOG = """\
 examples:
@@ -39,26 +37,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="target model directory (transformers format)")
     parser.add_argument("--out", required=True, help="JSON lines of the answered conversations ({'messages': [...]})")
     parser.add_argument("--data", help="JSON/JSONL conversations whose user turns are answered (default: ShareGPT)")
-    parser.add_argument("--max-samples", type=int, default=None, help="conversations to answer (default all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of ShareGPT's order (default 0)")
-    parser.add_argument("--answer-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
+    parser.add_argument("--max-samples", type=int, help="conversations to answer (default all)")
+    parser.add_argument("--seed", type=int, help="seed of ShareGPT's order (default %(default)s)")
+    parser.add_argument("--answer-tokens", type=int, help="most tokens per answer (default %(default)s)")
     parser.add_argument("--cache", help="where answered chunks are kept (default: OUT's directory/regenerate-cache)")
-    parser.add_argument("--backend", choices=GENERATION_BACKENDS, default="auto",
+    parser.add_argument("--backend", choices=GENERATION_BACKENDS,
                         help="what runs the target: vLLM where installed (auto), or transformers")
     parser.add_argument("--device", help="transformers' device (default: cuda if present, else cpu)")
     add_vllm_arguments(parser)
+    parser.set_defaults(**defaults(RegenerateOptions))
+
+
+def options(args: argparse.Namespace) -> RegenerateOptions:
+    """The parsed arguments as the stage's options."""
+    return options_from(RegenerateOptions, args)
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("max_samples", "answer_tokens"):
-        if getattr(args, flag) is not None:
-            positive_int(getattr(args, flag), f"--{flag.replace('_', '-')}")
-    out = Path(args.out)
-    conversations = read_conversations(args)
-    cache = Path(args.cache) if args.cache else out.parent / "regenerate-cache"
-    answered = regenerate(args.target, conversations, cache, args.answer_tokens, args.vllm_args,
-                          backend=args.backend, device=args.device)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    replace_file(out, lambda tmp: tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in answered)))
-    print(f"regenerate: {len(answered)} of {len(conversations)} conversations answered by the target -> {out}")
+    regenerate(options(args))
     return 0

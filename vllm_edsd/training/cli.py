@@ -15,17 +15,17 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from vllm_edsd.features.samples import add_data_arguments
+from vllm_edsd.command import defaults, options_from
+from vllm_edsd.features.samples import add_data_arguments, layer_ids
 from vllm_edsd.methods import METHODS
-from vllm_edsd.methods.edsd.config import RMSNORM, TOKEN_NORMS
-from vllm_edsd.methods.registry import EDSD
+from vllm_edsd.methods.edsd.config import TOKEN_NORMS
 
-from .distributed import DATA_PARALLEL, DDP, connect
-from .job import prepare
+from .distributed import DATA_PARALLEL
+from .options import TrainOptions
+from .recipe import LR_SCHEDULES
 from .schedule import READINGS
-from .trainer import LR_SCHEDULES, train
+from .stage import run as train
 
 EPILOG = """\
 examples:
@@ -45,41 +45,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("target", help="target model directory (transformers format)")
     parser.add_argument("--out", required=True, help="run directory: checkpoints, cache, train_log.jsonl")
-    parser.add_argument("--method", choices=tuple(METHODS), default=EDSD)
+    parser.add_argument("--method", choices=tuple(METHODS))
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument("--layers", help="aux layer ids, vLLM convention: two for edsd, three for eagle3")
     layers.add_argument("--layers-from", help="the JSON written by `edsd select` (edsd only)")
-    parser.add_argument("--epochs", type=int, default=8, help="T (default 8)")
-    parser.add_argument(
-        "--ttt-steps", type=int, default=7, help="S_max for edsd, the fixed steps for eagle3 (default 7)"
-    )
-    parser.add_argument("--edtrain-reading", choices=sorted(READINGS), default="paper",
+    parser.add_argument("--epochs", type=int, help="T (default %(default)s)")
+    parser.add_argument("--ttt-steps", type=int,
+                        help="S_max for edsd, the fixed steps for eagle3 (default %(default)s)")
+    parser.add_argument("--edtrain-reading", choices=sorted(READINGS),
                         help="which EDTrain to run: 'paper' = Eqs. 5-6 (floor, gamma 3%%, per sample, full-vocabulary "
                              "entropy; default), 'specforge' = SpecForge's code (ceil, 2%% capped at 40%%, ranked over "
                              "the batch, entropy over the draft vocabulary)")
-    parser.add_argument("--gamma", type=float, default=None,
+    parser.add_argument("--gamma", type=float,
                         help="Mask-p_t percent per remaining epoch (default: the reading's, 3 or 2)")
-    parser.add_argument("--token-norm", choices=TOKEN_NORMS, default=RMSNORM,
+    parser.add_argument("--token-norm", choices=TOKEN_NORMS,
                         help="EDFuse's norm of the token embedding: rmsnorm (SpecForge's, default) or layernorm "
                              "(with bias, as the paper's prose describes)")
     parser.add_argument("--no-mask-p", action="store_true", help="ablation: no entropy mask")
     parser.add_argument("--no-step-n", action="store_true", help="ablation: fixed TTT steps")
-    parser.add_argument("--feature-noise", type=float, default=0.0,
+    parser.add_argument("--feature-noise", type=float,
                         help="Gaussian noise on the target features while training, relative to each layer's RMS "
                              "(a regulariser; default 0: none)")
-    parser.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5, the paper's)")
-    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+    parser.add_argument("--lr", type=float, help="AdamW learning rate (default %(default)s, the paper's)")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES,
                         help="cosine: linear warm-up over --warmup of the optimizer steps, then cosine decay to 0 "
                              "(SpecForge's, which trained the paper's drafters; the default); constant: --lr "
                              "throughout")
-    parser.add_argument("--warmup", type=float, default=0.015,
-                        help="fraction of the optimizer steps warmed up under --lr-schedule cosine (default 0.015)")
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0, SpecForge's)")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--save-every", type=int, default=0, metavar="N",
+    parser.add_argument("--warmup", type=float,
+                        help="fraction of the optimizer steps warmed up under --lr-schedule cosine "
+                             "(default %(default)s)")
+    parser.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0, SpecForge's)")
+    parser.add_argument("--batch-size", type=int, help="samples per batch (default %(default)s)")
+    parser.add_argument("--save-every", type=int, metavar="N",
                         help="also save the training state every N batches, so that an interrupted epoch resumes "
                              "where it was saved (default 0: after each epoch only); the result is the same")
-    parser.add_argument("--data-parallel", choices=DATA_PARALLEL, default=DDP,
+    parser.add_argument("--data-parallel", choices=DATA_PARALLEL,
                         help="under torchrun, how the processes share the drafter: ddp (default) keeps the whole "
                              "drafter, its gradients and AdamW state on every process; fsdp (PyTorch FSDP2) shards "
                              "them over the processes, for a drafter that does not fit one device that way. Same "
@@ -90,20 +90,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-layers",
                         help="extract the target's features at these layer ids, a superset of the drafter's (for "
                              "example both methods' layers, so an EDSD and an EAGLE-3 run share one extraction)")
-    parser.add_argument("--draft-vocab-size", type=int, default=None, help="default: min(32000, vocab)")
-    parser.add_argument("--fuse-intermediate-size", type=int, default=None, help="EDFuse width m (default: target FFN)")
-    parser.add_argument("--intermediate-size", type=int, default=None, help="draft layer FFN width (default: target's)")
+    parser.add_argument("--draft-vocab-size", type=int, help="default: min(32000, vocab)")
+    parser.add_argument("--fuse-intermediate-size", type=int, help="EDFuse width m (default: target FFN)")
+    parser.add_argument("--intermediate-size", type=int, help="draft layer FFN width (default: target's)")
+    parser.set_defaults(**defaults(TrainOptions))
+
+
+def options(args: argparse.Namespace) -> TrainOptions:
+    """The parsed arguments as the training stage's options."""
+    return options_from(TrainOptions, args, layers=layer_ids(args.layers, "--layers"),
+                        feature_layers=layer_ids(args.feature_layers, "--feature-layers"))
 
 
 def run(args: argparse.Namespace) -> int:
     """``edsd train``: one process, or one rank of a torchrun (``distributed``)."""
-    out = Path(args.out)
-    with connect(args.device, args.data_parallel) as (world, device):
-        job = prepare(args, world, device)
-        log = train(job.model, job.shards, job.draft_head, job.recipe, out, lambda m, d: m.save_pretrained(d),
-                    job.columns, world, args.save_every)
-    if world.main:
-        last = log[-1]
-        print(f"done: {len(log)} epochs, final loss {last['loss']:.3f}, accuracy per step "
-              + ", ".join(f"{a:.2f}" for a in last["acc_per_step"]) + f"\ncheckpoint: {out / 'final'}")
+    train(options(args))
     return 0

@@ -1,9 +1,8 @@
-"""What ``edsd train`` runs, made from its arguments: the samples, the target's features, the
-draft vocabulary, the initial drafter and the recipe, the same on every rank."""
+"""What ``edsd train`` runs, made from its options (``TrainOptions``): the samples, the target's
+features, the draft vocabulary, the initial drafter and the recipe, the same on every rank."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,35 +24,34 @@ from vllm_edsd.methods import method
 
 from .distributed import SINGLE, World
 from .drafter import build_model, resolve_layers
-from .trainer import Recipe
+from .options import TrainOptions
+from .recipe import Recipe
 from .vocab import answer_token_counts, build_vocab_mapping
 
 
-def check_numbers(args: argparse.Namespace, vocab: int) -> None:
+def check_numbers(options: TrainOptions, vocab: int) -> None:
     """Refuse out-of-range numbers before any work (a 0 must not silently mean "the default")."""
-    if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= vocab:
+    if options.draft_vocab_size is not None and not 0 < options.draft_vocab_size <= vocab:
         raise EDSDError(
-            f"--draft-vocab-size must be in 1..{vocab} (the target's vocabulary), got {args.draft_vocab_size}"
+            f"--draft-vocab-size must be in 1..{vocab} (the target's vocabulary), got {options.draft_vocab_size}"
         )
-    for flag in ("epochs", "ttt_steps", "batch_size", "max_length", "fuse_intermediate_size", "intermediate_size"):
-        value = getattr(args, flag)
+    for flag in ("epochs", "ttt_steps", "batch_size", "fuse_intermediate_size", "intermediate_size"):
+        value = getattr(options, flag)
         if value is not None and value < 1:
             raise EDSDError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise EDSDError(f"--max-samples must be a positive integer, got {args.max_samples}")
-    if args.save_every < 0:
+    if options.save_every < 0:
         raise EDSDError(f"--save-every is a number of batches: 0 (after each epoch only) or more, "
-                        f"got {args.save_every}")
-    if not args.lr > 0:
-        raise EDSDError(f"--lr must be positive, got {args.lr}")
-    if not 0 <= args.warmup < 1:
+                        f"got {options.save_every}")
+    if not options.lr > 0:
+        raise EDSDError(f"--lr must be positive, got {options.lr}")
+    if not 0 <= options.warmup < 1:
         raise EDSDError(f"--warmup is a fraction of the optimizer steps, from 0 up to (not including) 1, "
-                        f"got {args.warmup}")
-    if not args.weight_decay >= 0:
-        raise EDSDError(f"--weight-decay must be 0 or more, got {args.weight_decay}")
-    if not 0 <= args.feature_noise < 10:
+                        f"got {options.warmup}")
+    if not options.weight_decay >= 0:
+        raise EDSDError(f"--weight-decay must be 0 or more, got {options.weight_decay}")
+    if not 0 <= options.feature_noise < 10:
         raise EDSDError(f"--feature-noise is relative to the features' RMS: 0 (none) up to 10, "
-                        f"got {args.feature_noise}")
+                        f"got {options.feature_noise}")
 
 
 @dataclass
@@ -67,47 +65,49 @@ class Job:
     columns: torch.Tensor | None
 
 
-def prepare(args: argparse.Namespace, world: World = SINGLE, device: str | None = None) -> Job:
+def prepare(options: TrainOptions, world: World = SINGLE, device: str | None = None) -> Job:
     """The samples, target features, draft vocabulary and initial drafter on ``device``
     (default ``--device``): the same on every rank (tokenisation and vocabulary are
     deterministic)."""
-    out, device = Path(args.out), device or args.device
-    cfg_raw = read_config_json(args.target)
-    source = f"{args.target}/config.json"
+    options = options.on_device()
+    out, device = Path(options.out), device or options.device
+    cfg_raw = read_config_json(options.target)
+    source = f"{options.target}/config.json"
     target = TargetFingerprint.from_hf_config(text_config(cfg_raw, source), source)
-    target_layers = decoder_layers(args.target)
-    layers = resolve_layers(args, target_layers)
-    feature_layers = resolve_feature_layers(args.feature_layers, layers, target_layers)
-    check_numbers(args, target.vocab_size)
-    length_set_by = resolve_max_length(args)
+    target_layers = decoder_layers(options.target)
+    layers = resolve_layers(options, target_layers)
+    feature_layers = resolve_feature_layers(options.feature_layers, layers, target_layers)
+    check_numbers(options, target.vocab_size)
+    options, length_set_by = resolve_max_length(options)
     from transformers.utils import logging
 
     if not world.main:  # progress bars on rank 0 only
         logging.disable_progress_bar()
-    cache = Path(args.cache) if args.cache else out / "cache"
-    samples, read, skipped, cut = training_samples(args, cache, world)
+    cache = Path(options.cache) if options.cache else out / "cache"
+    samples, read, skipped, cut = training_samples(options, cache, world)
     counts = answer_token_counts(samples)
     vocab = target.vocab_size
-    d2t, t2d = build_vocab_mapping(counts, vocab, args.draft_vocab_size or min(32000, vocab))
+    d2t, t2d = build_vocab_mapping(counts, vocab, options.draft_vocab_size or min(32000, vocab))
     # vLLM's extraction runs (and frees its memory) before transformers loads the target
-    shards = feature_shards(args, samples, feature_layers, cache, world, device)
-    target_model = load_target(args.target, dtype=getattr(torch, target_dtype(args, device)), device=device)
-    model = build_model(args, target_model, cfg_raw, layers, d2t, t2d).to(device)
+    shards = feature_shards(options, samples, feature_layers, cache, world, device)
+    target_model = load_target(options.target, dtype=getattr(torch, target_dtype(options, device)), device=device)
+    model = build_model(options, target_model, cfg_raw, layers, d2t, t2d).to(device)
     # Only the draft vocabulary's rows (in draft-id order: d2t keeps target ids ascending) are read.
     draft_head = target_model.get_output_embeddings().weight.detach()[torch.nonzero(t2d).flatten()].float()
-    recipe = Recipe(method=args.method, epochs=args.epochs, max_ttt_steps=args.ttt_steps,
-                    reading=args.edtrain_reading, gamma=args.gamma,
-                    mask_p=method(args.method).curriculum and not args.no_mask_p,
-                    step_n=method(args.method).curriculum and not args.no_step_n,
-                    lr=args.lr, lr_schedule=args.lr_schedule, warmup=args.warmup, weight_decay=args.weight_decay,
-                    batch_size=args.batch_size, seed=args.seed, feature_noise=args.feature_noise)
+    recipe = Recipe(method=options.method, epochs=options.epochs, max_ttt_steps=options.ttt_steps,
+                    reading=options.edtrain_reading, gamma=options.gamma,
+                    mask_p=method(options.method).curriculum and not options.no_mask_p,
+                    step_n=method(options.method).curriculum and not options.no_step_n,
+                    lr=options.lr, lr_schedule=options.lr_schedule, warmup=options.warmup,
+                    weight_decay=options.weight_decay,
+                    batch_size=options.batch_size, seed=options.seed, feature_noise=options.feature_noise)
     if world.main:
         if skipped:
             print(f"skipped {skipped} of {read} conversations: the chat template does not render "
                   "their answers after their own prompts")
         if cut:
-            print(cut_line(cut, len(samples), args.max_length, length_set_by))
-        print(f"{args.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
+            print(cut_line(cut, len(samples), options.max_length, length_set_by))
+        print(f"{options.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
               f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
               + (f", {world.size} data-parallel processes ({world.data_parallel})" if world.size > 1 else ""))
     columns = None if feature_layers == layers else aux_columns(feature_layers, layers, target.hidden_size)
