@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods.registry import EAGLE3, EDSD
-from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD
+from vllm_edsd.serving.features.draft_length import DEFAULT_THRESHOLD
 
 from .draft_cost import DTYPES
 from .draft_cost import METHODS as DRAFT_COST_METHODS

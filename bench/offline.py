@@ -17,7 +17,7 @@ from vllm_edsd.data import load_humaneval
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import engine_dtype, llm_session, spec_counters, speculative_config
 from vllm_edsd.methods.registry import EAGLE3, EDSD
-from vllm_edsd.serving.draft_length import DEFAULT_THRESHOLD, REQUEST_KEY, check_request_cap
+from vllm_edsd.serving.features.draft_length import DEFAULT_THRESHOLD, REQUEST_KEY, check_request_cap
 
 CATEGORIES = ("chat", "code", "math", "instruction", "summarization")
 # The n-gram lengths prompt lookup matches, alone (``ngram``) and beside the drafter
@@ -180,7 +180,7 @@ def generate(llm, conversations: list[list[dict]], temperature: float, max_token
 
 def draft_sources(llm) -> dict[str, dict[str, int]] | None:
     """The prompt lookup's counts per source, summed over the workers (None: no lookup)."""
-    from vllm_edsd.serving.lookup import WORKER_METHOD, PromptLookup
+    from vllm_edsd.serving.features.lookup import WORKER_METHOD, PromptLookup
 
     spec = llm.llm_engine.vllm_config.speculative_config
     if spec is None or spec.method == "ngram" or PromptLookup.of(spec) is None:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import llm_session, speculative_config
-from vllm_edsd.serving.draft_length import REQUEST_KEY
+from vllm_edsd.serving.features.draft_length import REQUEST_KEY
 
 from .arguments import numbers, target_and_drafter
 from .machine import describe, machine

@@ -5,7 +5,7 @@ it. This script reads, with ``ast`` and without importing vLLM or needing a GPU,
 distribution of the newest patch release of each vLLM minor from 0.24 to 0.33, and checks each
 row against it:
 
-* every row of the plugin's ``PATCHES`` and its ``REFUSAL`` (``vllm_edsd/serving/plugin.py``),
+* every row of the plugin's ``PATCHES`` and its ``REFUSAL`` (``vllm_edsd/serving/patches.py``),
   as its kind calls for (``vllm_names.expected``): a replaced method, an instance hook or an
   override has the signature the plugin's code expects (a hook on the proposer class vLLM
   instantiates), in the class or a vLLM base class it inherits from; a private attribute is
@@ -63,8 +63,10 @@ from urllib.parse import urljoin
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_edsd.serving import plugin  # noqa: E402  (the package beside this script, not an installed one)
+# the package beside this script, not an installed one
+from vllm_edsd.serving.patches import PATCHES, REFUSAL  # noqa: E402
 from vllm_edsd.serving.patching import Patch  # noqa: E402
+from vllm_edsd.serving.versions import SUPPORTED_VLLM, version_supported  # noqa: E402
 from vllm_edsd.serving.vllm_names import PATCHED, READ, VllmName, expected  # noqa: E402
 
 PYPI_JSON = "https://pypi.org/pypi/vllm/json"
@@ -616,11 +618,11 @@ class Row:
 
 def rows() -> list[Row]:
     """One row per patch (its check from ``vllm_names.expected``) and per READ entry."""
-    patches = plugin.PATCHES if plugin.REFUSAL in plugin.PATCHES else (*plugin.PATCHES, plugin.REFUSAL)
+    patches = PATCHES if REFUSAL in PATCHES else (*PATCHES, REFUSAL)
     result = []
     for patch in patches:
         entry = expected(patch)
-        source = "REFUSAL" if patch is plugin.REFUSAL else "PATCHES"
+        source = "REFUSAL" if patch is REFUSAL else "PATCHES"
         result.append(Row(entry.label if entry else patch.name, source, entry, patch.why, patch))
     used = {(patch.owner, patch.attribute) for patch in patches}
     stale = [f"{e.owner}.{e.name}" for e in PATCHED if (e.owner, e.name) not in used]
@@ -638,7 +640,7 @@ def cell_of(row: Row, version: str, tree: SourceTree) -> Cell:
     ``versions`` and the plugin's own run-time condition (``applies_if``) disagree."""
     if row.entry is None:
         return Cell(BROKEN, "no check: record the expected shape in vllm_edsd/serving/vllm_names.py PATCHED")
-    if row.source != "REFUSAL" and not plugin.version_supported(version):
+    if row.source != "REFUSAL" and not version_supported(version):
         return Cell(NOT_APPLICABLE, "outside SUPPORTED_VLLM: the plugin refuses \"edsd\"")
     claimed = row.patch is None or row.source == "REFUSAL" or row.patch.claims(version)
     condition = row.entry.applies_if
@@ -679,12 +681,12 @@ def method_changes(methods: dict[str, set[str]]) -> list[str]:
 
 
 def render(table: list[Row], versions: list[str], methods: dict[str, set[str]]) -> str:
-    lo, hi = plugin.SUPPORTED_VLLM
+    lo, hi = SUPPORTED_VLLM
     lines = [
         "# vLLM names vllm-edsd depends on, release by release",
         "",
         "Written by `python scripts/check_vllm_range.py`, which reads each release's source distribution "
-        "from PyPI (no GPU, no import). Rows: `PATCHES` and `REFUSAL` of `vllm_edsd/serving/plugin.py` (with "
+        "from PyPI (no GPU, no import). Rows: `PATCHES` and `REFUSAL` of `vllm_edsd/serving/patches.py` (with "
         "each row's kind, checked as the kind calls for), then `READ` of `vllm_edsd/serving/vllm_names.py`, "
         "where each row's expected shape is recorded. "
         f"`SUPPORTED_VLLM` is [{lo[0]}.{lo[1]}, {hi[0]}.{hi[1]}).",
@@ -716,7 +718,7 @@ def not_applicable(table: list[Row], versions: list[str]) -> list[str]:
     for row in table:
         by_reason: dict[str, list[str]] = {}
         for v in versions:
-            if row.cells[v].status == NOT_APPLICABLE and plugin.version_supported(v):
+            if row.cells[v].status == NOT_APPLICABLE and version_supported(v):
                 by_reason.setdefault(row.cells[v].reason, []).append(v)
         lines += [f"- `{row.label}` ({row.kind or row.source}) in {', '.join(vs)}: {reason}"
                   for reason, vs in by_reason.items()]
@@ -727,7 +729,7 @@ def as_json(table: list[Row], versions: list[str]) -> dict:
     """The table as data: each row's cells, and a reason for every cell that is not a plain ✓."""
     return {
         "releases": versions,
-        "supported_vllm": [list(bound) for bound in plugin.SUPPORTED_VLLM],
+        "supported_vllm": [list(bound) for bound in SUPPORTED_VLLM],
         "rows": [{"label": row.label, "source": row.source, "kind": row.kind or None, "why": row.why,
                   "owner": row.entry.owner if row.entry else None, "name": row.entry.name if row.entry else None,
                   "cells": {v: row.cells[v].status for v in versions},
@@ -745,7 +747,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="check_vllm_range.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Rows, expected signatures and when each row applies: vllm_edsd/serving/vllm_names.py. "
                "A release that breaks a row: fix the plugin there if small, else narrow SUPPORTED_VLLM "
-               "in vllm_edsd/serving/plugin.py (and the README's support matrix).")
+               "in vllm_edsd/serving/versions.py (and the README's support matrix).")
     parser.add_argument("--releases", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
                         help="comma-separated vLLM versions (default: the newest patch of each minor 0.24-0.33)")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE,

@@ -92,7 +92,7 @@ def test_drafts_are_cut_where_the_entropy_says(trained, adaptive_run, reference,
 def test_request_caps_and_the_rule_are_one_limit(trained, adaptive_run, max_entropy, plain_outputs):
     """Per-request caps in a batch under the adaptive rule: output unchanged, no draft longer
     than its cap, the rule still cutting below it, and vLLM's counters the reference's replay
-    of chains cut by both (``serving/draft_length.py``: one mechanism)."""
+    of chains cut by both (``serving/features/draft_length.py``: one mechanism)."""
     phase = adaptive_run["capped"]
     assert phase["outputs"] == plain_outputs
     for rows in phase["batch_steps"]:

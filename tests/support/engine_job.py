@@ -99,7 +99,7 @@ def _take_recorded(worker) -> tuple[list, list]:
 
 def draft_sources(llm) -> dict | None:
     """The prompt lookup's counts per draft source (lookup, drafter) on the first worker."""
-    from vllm_edsd.serving.lookup import WORKER_METHOD
+    from vllm_edsd.serving.features.lookup import WORKER_METHOD
 
     return llm.collective_rpc(WORKER_METHOD)[0]
 

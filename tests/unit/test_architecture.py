@@ -30,7 +30,11 @@ ROOMS: dict[str, set[str]] = {
                            "vllm_edsd.launch", "vllm_edsd.regeneration"},
     "vllm_edsd.selection": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.data",
                             "vllm_edsd.launch", "vllm_edsd.features"},
-    "vllm_edsd.serving": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.methods", "vllm_edsd.launch"},
+    "vllm_edsd.serving.patching": set(),  # how a change to vLLM is made (a module as a room)
+    "vllm_edsd.serving.repairs": {"vllm_edsd.launch", "vllm_edsd.serving.patching"},
+    "vllm_edsd.serving.features": {"vllm_edsd.errors"},
+    "vllm_edsd.serving": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.methods", "vllm_edsd.launch",
+                          "vllm_edsd.serving.patching", "vllm_edsd.serving.repairs", "vllm_edsd.serving.features"},
     "vllm_edsd.conversion": {"vllm_edsd.errors", "vllm_edsd.version", "vllm_edsd.command", "vllm_edsd.checkpoint",
                              "vllm_edsd.methods"},
     "vllm_edsd.training": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.methods",
@@ -49,6 +53,7 @@ ROOMS: dict[str, set[str]] = {
     "weights_convert": {"vllm_edsd.conversion", "vllm_edsd.cli"},
     "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.data", "vllm_edsd.checkpoint",
               "vllm_edsd.methods", "vllm_edsd.launch", "vllm_edsd.regeneration", "vllm_edsd.serving",
+              "vllm_edsd.serving.features",
               "vllm_edsd.features", "vllm_edsd.training", "vllm_edsd.conversion", "vllm_edsd.pipeline",
               "vllm_edsd.demo"},
 }

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench import trace
 from bench.draft_cost import timings
 from bench.report import render
-from vllm_edsd.serving import draft_length
+from vllm_edsd.serving.features import draft_length
 
 K = 3
 DECODE_STEPS = 3

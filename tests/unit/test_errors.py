@@ -17,8 +17,8 @@ from support.drafters import engine_config
 
 from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.methods.edsd.config import Speculators
-from vllm_edsd.serving.draft_length import AdaptiveDraftLength, check_request_cap, check_runner
-from vllm_edsd.serving.plugin import version_supported
+from vllm_edsd.serving.features.draft_length import AdaptiveDraftLength, check_request_cap, check_runner
+from vllm_edsd.serving.versions import version_supported
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,7 @@ def test_request_caps_are_read_per_row_and_cut_the_drafts():
     import torch
     from vllm import SamplingParams
 
-    from vllm_edsd.serving.draft_length import cut, request_caps
+    from vllm_edsd.serving.features.draft_length import cut, request_caps
 
     def state(**extra):
         return SimpleNamespace(sampling_params=SamplingParams(extra_args=extra or None))

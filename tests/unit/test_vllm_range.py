@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_edsd.serving import plugin
+from vllm_edsd.serving.patches import PATCHES
 from vllm_edsd.serving.patching import CONFIG, ENVIRONMENT, EXCEPTION, INSTANCE_HOOK, OVERRIDE, PRIVATE, Patch
 from vllm_edsd.serving.vllm_names import EAGLE3_ATTRIBUTES, READ, VllmName, expected
 
@@ -172,8 +172,8 @@ def test_a_row_is_checked_from_itself_only_where_its_kind_says_all():
 
 
 def test_no_vllm_name_is_both_a_row_and_read():
-    rows = {(patch.owner, patch.attribute) for patch in plugin.PATCHES}
-    rows |= {(entry.owner, entry.name) for entry in map(expected, plugin.PATCHES) if entry is not None}
+    rows = {(patch.owner, patch.attribute) for patch in PATCHES}
+    rows |= {(entry.owner, entry.name) for entry in map(expected, PATCHES) if entry is not None}
     assert [f"{e.owner}.{e.name}" for e in READ if (e.owner, e.name) in rows] == []
 
 
@@ -218,10 +218,10 @@ VLLM_METHODS = ("eagle", "eagle3", "dflash", "dspark", "mtp", "ngram", "ngram_gp
 
 def test_the_edsd_alias_leaves_every_other_method_to_vllm():
     pytest.importorskip("vllm")
-    from vllm_edsd.serving.plugin import _checked_speculative_init
+    from vllm_edsd.serving.request import checked_speculative_init
 
     seen = []
-    wrapped = _checked_speculative_init(lambda _self, **kwargs: seen.append(kwargs))
+    wrapped = checked_speculative_init(lambda _self, **kwargs: seen.append(kwargs))
     for method in VLLM_METHODS:
         wrapped(None, method=method, model="some/drafter", num_speculative_tokens=3)
     assert [kwargs["method"] for kwargs in seen] == list(VLLM_METHODS)

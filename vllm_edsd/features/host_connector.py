@@ -7,7 +7,7 @@ accelerator backend"). Where the cache is in host memory this subclass copies an
 each request's hidden states at once; on a GPU it is vLLM's connector unchanged. vLLM loads
 it by name (``kv_connector_module_path``), in the worker and the scheduler processes. The
 method it overrides and the connector's private state it uses are rows of ``PATCHES``
-(vllm_edsd/serving/plugin.py).
+(vllm_edsd/serving/patches.py).
 """
 
 from __future__ import annotations

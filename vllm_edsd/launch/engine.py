@@ -80,7 +80,7 @@ def use_cpu_workarounds() -> None:
     vLLM 0.32 on CPU cannot load its own ahead-of-time compiled artifacts ("Compiling model
     again due to a load failure ... 'function' object has no attribute 'finalize_loading'");
     the failed load can end the worker with a stack overflow in the oneDNN GEMM handler's
-    finaliser (docs/known-issues.md; ``serving/cpu_onednn.py`` repairs the finaliser). Compiling
+    finaliser (docs/known-issues.md; ``serving/repairs/cpu_onednn.py`` repairs the finaliser). Compiling
     without the AOT cache costs nothing, since the cached artifact is never usable. A value the
     user set is kept."""
     if on_cpu():

@@ -1,7 +1,7 @@
 """Every change vllm-edsd makes to vLLM, as one table of ``Patch`` rows, and how a replacement
 is made: once, by name, with a reason, logged.
 
-The table is ``plugin.PATCHES`` (docs/architecture.md, "Patches"), as ArcticInference lists
+The table is ``patches.PATCHES`` (docs/architecture.md, "Patches"), as ArcticInference lists
 its own. A row of kind ``REPLACE`` wraps the attribute it names exactly once per process
 (vLLM loads plugins in every process and may import this package again), and says so once at
 debug level. The other kinds describe a change the plugin's own code makes (a hook on an
@@ -35,7 +35,7 @@ EXCEPTION = "exception"  # an exception of the plugin's, raised through the owne
 ADDED = "added"  # an attribute vLLM does not have, added to the owner
 KINDS = (REPLACE, INSTANCE_HOOK, PRIVATE, OVERRIDE, CONFIG, ENVIRONMENT, EXCEPTION, ADDED)
 
-OUTSIDE_RANGE = "any other"  # ``versions`` of a row made only outside the supported range (plugin.REFUSAL)
+OUTSIDE_RANGE = "any other"  # ``versions`` of a row made only outside the supported range (patches.REFUSAL)
 _SPAN = re.compile(r"(\d+)\.(\d+)(?:\s*[–-]\s*(\d+)\.(\d+))?")
 
 
@@ -61,7 +61,7 @@ class Patch:
     (the object the class holds). A ``REPLACE`` row is ``owner.attribute = replace(original)``;
     any other row has no ``replace`` and names the functions that make the change, as
     ``"path/of/module.py:qualified.name"`` (``where``). ``versions``: the vLLM minors the change is
-    made in (``minor_spans``); None: every release the plugin supports (``plugin.SUPPORTED_VLLM``);
+    made in (``minor_spans``); None: every release the plugin supports (``versions.SUPPORTED_VLLM``);
     ``OUTSIDE_RANGE``: only the others."""
 
     owner: str

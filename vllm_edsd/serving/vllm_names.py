@@ -6,7 +6,7 @@ can, so a name vLLM moves or reshapes shows up only when an engine reaches it. T
 says, per name, what the plugin needs, so that a release can be checked by reading its source
 (``ast``), without a GPU and without importing it.
 
-Every row of ``plugin.PATCHES`` and ``plugin.REFUSAL`` is checked, as its kind calls for
+Every row of ``patches.PATCHES`` and ``patches.REFUSAL`` is checked, as its kind calls for
 (``expected``): a row names its owner and attribute, and ``PATCHED`` records only what a row
 cannot say (the signature a replacement, a hook or an override expects, the class vLLM
 instantiates, a config attribute's counterpart in vLLM); the kinds a row describes fully
@@ -27,11 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
-from vllm_edsd.serving.draft_length import CONFIG_ATTRIBUTE, LIMITER_ATTRIBUTE
-from vllm_edsd.serving.lookup import CONFIG_ATTRIBUTE as LOOKUP_ATTRIBUTE
-from vllm_edsd.serving.lookup import VLLM_KEYS as LOOKUP_KEYS
-from vllm_edsd.serving.lookup import WORKER_METHOD
+from vllm_edsd.methods import EDSD_METHOD
+from vllm_edsd.serving.features.draft_length import CONFIG_ATTRIBUTE, LIMITER_ATTRIBUTE
+from vllm_edsd.serving.features.lookup import CONFIG_ATTRIBUTE as LOOKUP_ATTRIBUTE
+from vllm_edsd.serving.features.lookup import VLLM_KEYS as LOOKUP_KEYS
+from vllm_edsd.serving.features.lookup import WORKER_METHOD
 from vllm_edsd.serving.patching import ENVIRONMENT, EXCEPTION, PRIVATE, Patch
 
 
@@ -82,9 +82,16 @@ class VllmName:
         return f"{head}.{self.name}"
 
 
-_PLUGIN = "serving/plugin.py"
-_LIMITER = "serving/draft_length.py"
-_MODEL = "methods/edsd/vllm_model.py"
+# Where each name is used: paths relative to vllm_edsd/.
+_PLUGIN = "serving/plugin.py"  # the registrations
+_REQUEST = "serving/request.py"  # the speculative config's check and translation
+_HOOKS = "serving/hooks.py"  # the engine, runner and proposer hooks
+_USER_ERRORS = "serving/user_errors.py"
+_LIMITER = "serving/features/draft_length.py"
+_LOOKUP = "serving/features/lookup.py"
+_CPU_SAMPLING = "serving/repairs/cpu_sampling.py"
+_CPU_ONEDNN = "serving/repairs/cpu_onednn.py"
+_MODEL = EDSD_METHOD.vllm_model.partition(":")[0].removeprefix("vllm_edsd.").replace(".", "/") + ".py"
 _CONNECTOR = "features/host_connector.py"
 _FEATURES = "features/vllm_extraction.py"
 _CPU_KERNELS = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
@@ -97,26 +104,26 @@ _CONNECTOR_CLASS = _CONNECTOR_MODULE + ":ExampleHiddenStatesConnector"
 _EAGLE3 = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
 _DRAFTER_CONFIG = "vllm.config:ModelConfig.hf_config"
 
-# What a row of plugin.PATCHES (or plugin.REFUSAL) cannot say itself, by its owner and
+# What a row of patches.PATCHES (or patches.REFUSAL) cannot say itself, by its owner and
 # attribute: one entry serves every row of that name (the replacement of
 # SpeculativeConfig.__init__, the refusal, and the exception raised through it).
 PATCHED: tuple[VllmName, ...] = (
-    VllmName("vllm.config:SpeculativeConfig", "__init__", _PLUGIN,
+    VllmName("vllm.config:SpeculativeConfig", "__init__", _REQUEST,
              "self, ..., method, model, num_speculative_tokens, draft_sample_method"),
-    VllmName("vllm.engine.arg_utils:EngineArgs", "create_engine_config", _PLUGIN, "self, ...",
+    VllmName("vllm.engine.arg_utils:EngineArgs", "create_engine_config", _HOOKS, "self, ...",
              reaches=("vllm.engine.arg_utils:AsyncEngineArgs",)),
-    VllmName(_PROPOSER, "load_model", _PLUGIN, "self, ...", reaches=(_EAGLE_PROPOSER,)),
-    VllmName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids", _PLUGIN, "self, ...",
+    VllmName(_PROPOSER, "load_model", _HOOKS, "self, ...", reaches=(_EAGLE_PROPOSER,)),
+    VllmName("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "propose_draft_token_ids", _HOOKS, "self, ...",
              reaches=("vllm.v1.worker.cpu_model_runner:CPUModelRunner",)),
-    VllmName("vllm.v1.engine.input_processor:InputProcessor", "_validate_params", _PLUGIN, "self, params, ..."),
-    VllmName("vllm.v1.engine.core:EngineCore", "preprocess_add_request", _PLUGIN, "self, request"),
-    VllmName("vllm.platforms.cpu:CpuPlatform", "register_triton_kernel_overrides", _PLUGIN, "cls",
+    VllmName("vllm.v1.engine.input_processor:InputProcessor", "_validate_params", _HOOKS, "self, params, ..."),
+    VllmName("vllm.v1.engine.core:EngineCore", "preprocess_add_request", _HOOKS, "self, request"),
+    VllmName("vllm.platforms.cpu:CpuPlatform", "register_triton_kernel_overrides", _CPU_SAMPLING, "cls",
              applies_if=_CPU_KERNELS),
-    VllmName("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "_postprocess_triton", _PLUGIN, "self",
+    VllmName("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "_postprocess_triton", _CPU_SAMPLING, "self",
              applies_if="!" + _CPU_KERNELS),
-    VllmName("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", "serving/cpu_sampling.py",
+    VllmName("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", _CPU_SAMPLING,
              "x, cu_num_tokens, num_tokens, replace_from, replace_to"),
-    VllmName("vllm._custom_ops:CPUDNNLGEMMHandler", "__del__", "serving/cpu_onednn.py", "self"),
+    VllmName("vllm._custom_ops:CPUDNNLGEMMHandler", "__del__", _CPU_ONEDNN, "self"),
     # instance hooks: the hook passes propose's arguments on, and vLLM's loop calls the sampling
     # hook as it calls its own method; the limiter's attribute must be no name of vLLM's
     VllmName(_PROPOSER, "propose", _LIMITER, "self, ...", used_as=(_EAGLE_PROPOSER,)),
@@ -126,18 +133,18 @@ PATCHED: tuple[VllmName, ...] = (
     # the override: vLLM's connector calls it as it calls its own
     VllmName(_CONNECTOR_CLASS, "_submit_async_write", _CONNECTOR, "self, pending", optional=_EXTRACTION),
     # config attributes on the drafter's hf_config
-    VllmName(_DRAFTER_CONFIG, CONFIG_ATTRIBUTE, _PLUGIN,
+    VllmName(_DRAFTER_CONFIG, CONFIG_ATTRIBUTE, _REQUEST,
              not_checked="our own attribute: it carries the plugin's settings to its own model class, and no "
                          "vLLM code reads it"),
-    VllmName(_DRAFTER_CONFIG, LOOKUP_ATTRIBUTE, "serving/lookup.py",
+    VllmName(_DRAFTER_CONFIG, LOOKUP_ATTRIBUTE, _LOOKUP,
              not_checked="our own attribute: it carries num_drafter_tokens to the plugin's runner hook, and no "
                          "vLLM code reads it"),
     VllmName(_DRAFTER_CONFIG, "draft_vocab_size", _MODEL, set_by=_EAGLE3 + ".__init__"),
     # vLLM's own n-gram fields, which the lookup puts back on the config
-    *(VllmName("vllm.config:SpeculativeConfig", key, "serving/lookup.py") for key in LOOKUP_KEYS),
+    *(VllmName("vllm.config:SpeculativeConfig", key, _LOOKUP) for key in LOOKUP_KEYS),
     VllmName(_DRAFTER_CONFIG, "target_layer_count", _MODEL, set_by=_EAGLE3 + ".__init__"),
     # the worker method collective_rpc calls by name: no name of vLLM's
-    VllmName("vllm.v1.worker.worker_base:WorkerBase", WORKER_METHOD, "serving/lookup.py", absent=True),
+    VllmName("vllm.v1.worker.worker_base:WorkerBase", WORKER_METHOD, _LOOKUP, absent=True),
 )
 
 # Owners the plugin can go without: a row on them that a release lacks is no break.
@@ -161,7 +168,6 @@ def expected(patch: Patch) -> VllmName | None:
     return None
 
 
-_EXTRACTION = "without it, edsd features/train use transformers for the target's hidden states"
 EAGLE3_ATTRIBUTES = ("config", "draft_id_to_target_id", "lm_head", "logits_processor", "model",
                       "use_parallel_drafting")
 _LINEAR = "self, input_size, output_size, ..., bias, quant_config, prefix, return_bias"
@@ -180,44 +186,45 @@ def _of(owner: str, used_by: str, *names: str | tuple[str, str], **flags: Any) -
 # What the plugin reads, calls or subclasses without replacing it.
 READ: tuple[VllmName, ...] = (
     # the method alias, the speculators format, the model registry, the front end
-    *_of("vllm.config.speculative:SpeculativeMethod", _PLUGIN, "eagle3"),
-    VllmName("vllm.config.speculative:SpeculativeMethod", "edsd", _PLUGIN, absent=True),
-    *_of("vllm.config.speculative:SpeculativeConfig", _PLUGIN, "draft_model_config", "target_model_config",
+    *_of("vllm.config.speculative:SpeculativeMethod", _REQUEST, EDSD_METHOD.vllm_method),
+    VllmName("vllm.config.speculative:SpeculativeMethod", EDSD_METHOD.name, _REQUEST, absent=True),
+    *_of("vllm.config.speculative:SpeculativeConfig", _REQUEST, "draft_model_config", "target_model_config",
          "parallel_drafting", "num_speculative_tokens"),
-    *_of("vllm.config.model:ModelConfig", _PLUGIN, "hf_config", "hf_text_config", "architectures",
+    *_of("vllm.config.model:ModelConfig", _REQUEST, "hf_config", "hf_text_config", "architectures",
          ("get_total_num_hidden_layers", "self")),
     VllmName("vllm.transformers_utils.configs.speculators.algos", "register_speculator", _PLUGIN, "name",
              optional="without it, a drafter directory cannot be served alone (vllm serve DRAFTER_DIR)"),
-    *_of("vllm.transformers_utils.configs.speculators.algos", _PLUGIN, "edsd", kind="text", absent=True),
-    *_of("vllm.model_executor.models.registry", _PLUGIN, *EDSD_VLLM.architectures, kind="text", absent=True),
+    *_of("vllm.transformers_utils.configs.speculators.algos", _PLUGIN, EDSD_METHOD.name, kind="text", absent=True),
+    *_of("vllm.model_executor.models.registry", _PLUGIN, *EDSD_METHOD.served_layout.architectures, kind="text",
+         absent=True),
     *_of("vllm.model_executor.models.registry:_ModelRegistry", _PLUGIN,
          ("register_model", "self, model_arch, model_cls")),
     *_of("vllm", _PLUGIN, "ModelRegistry"),
-    *_of("vllm.exceptions:VLLMValidationError", _PLUGIN, ("", "self, message, ..., parameter, value")),
-    *_of("vllm._custom_ops:CPUDNNLGEMMHandler", "serving/cpu_onednn.py", "handler_tensor"),
+    *_of("vllm.exceptions:VLLMValidationError", _HOOKS, ("", "self, message, ..., parameter, value")),
+    *_of("vllm._custom_ops:CPUDNNLGEMMHandler", _CPU_ONEDNN, "handler_tensor"),
     *_of("vllm.entrypoints.openai.api_server", "launch/server.py", ""),
-    *_of("vllm.entrypoints.cli.main", _PLUGIN, ""),
+    *_of("vllm.entrypoints.cli.main", _USER_ERRORS, ""),
     # engine configuration the plugin sets or checks
     *_of("vllm.engine.arg_utils:EngineArgs", "launch/server.py", "model", "speculative_config", "dtype",
          "max_model_len", "gpu_memory_utilization"),
     *_of("vllm.engine.arg_utils:EngineArgs", _LIMITER, "async_scheduling"),
-    *_of("vllm.config.vllm:VllmConfig", _PLUGIN, "speculative_config", "scheduler_config", "parallel_config"),
+    *_of("vllm.config.vllm:VllmConfig", _HOOKS, "speculative_config", "scheduler_config", "parallel_config"),
     VllmName("vllm.config.vllm:VllmConfig", "use_v2_model_runner", _LIMITER,
              optional="read with getattr: where absent, vLLM has the V1 runner only"),
     *_of("vllm.config.scheduler:SchedulerConfig", _LIMITER, "async_scheduling"),
-    *_of("vllm.config.parallel:ParallelConfig", _PLUGIN, "data_parallel_size"),
+    *_of("vllm.config.parallel:ParallelConfig", _HOOKS, "data_parallel_size"),
     *_of("vllm.envs:environment_variables", _LIMITER, "VLLM_USE_V2_MODEL_RUNNER"),
     # the runner and the proposer the draft-length limiter works with
-    *_of("vllm.v1.worker.gpu_model_runner:GPUModelRunner", _PLUGIN, "input_batch", "requests",
+    *_of("vllm.v1.worker.gpu_model_runner:GPUModelRunner", _HOOKS, "input_batch", "requests",
          "speculative_config", "drafter"),
-    *_of("vllm.v1.worker.gpu_input_batch:InputBatch", _PLUGIN, "req_ids"),
+    *_of("vllm.v1.worker.gpu_input_batch:InputBatch", _HOOKS, "req_ids"),
     *_of("vllm.v1.worker.gpu_input_batch:CachedRequestState", _LIMITER, "sampling_params"),
     *_of("vllm.sampling_params:SamplingParams", _LIMITER, "extra_args"),
-    *_of("vllm.v1.engine.input_processor:InputProcessor", _PLUGIN, "vllm_config"),
-    *_of("vllm.v1.engine.core:EngineCore", _PLUGIN, "vllm_config"),
-    *_of("vllm.v1.engine:EngineCoreRequest", _PLUGIN, "sampling_params", "cache_salt"),
+    *_of("vllm.v1.engine.input_processor:InputProcessor", _HOOKS, "vllm_config"),
+    *_of("vllm.v1.engine.core:EngineCore", _HOOKS, "vllm_config"),
+    *_of("vllm.v1.engine:EngineCoreRequest", _HOOKS, "sampling_params", "cache_salt"),
     *_of(_PROPOSER, _LIMITER, "model", "vllm_config"),
-    VllmName(_PROPOSER, "use_local_argmax_reduction", _PLUGIN,
+    VllmName(_PROPOSER, "use_local_argmax_reduction", _HOOKS,
              optional="read with getattr: where absent, the drafter's logits are always whole"),
     *_of("vllm.platforms:current_platform", _ENGINE, ""),
     *_of("vllm.platforms.interface:Platform", _ENGINE, ("is_cpu", "self")),

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from vllm_edsd.errors import EDSDError, positive_int
-from vllm_edsd.serving.draft_length import Carried, limiter_of
+from vllm_edsd.serving.features.draft_length import Carried, limiter_of
 
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
