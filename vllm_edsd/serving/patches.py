@@ -11,6 +11,7 @@ their change (``where``), in the features beyond the paper (``features/``), the 
 from __future__ import annotations
 
 from vllm_edsd.launch.engine import on_cpu
+from vllm_edsd.methods import EDSD_METHOD
 from vllm_edsd.serving.features import draft_length, lookup
 from vllm_edsd.serving.hooks import (
     capped_drafting,
@@ -29,6 +30,7 @@ from vllm_edsd.serving.patching import (
     OVERRIDE,
     PRIVATE,
     Patch,
+    source_path,
 )
 from vllm_edsd.serving.repairs import cpu_onednn, cpu_sampling
 from vllm_edsd.serving.request import checked_speculative_init, refusing_speculative_init
@@ -46,6 +48,7 @@ _USER_ERRORS = ("vllm_edsd/serving/user_errors.py:errors_for_the_user",)
 _HOOKED = "when a V1 EAGLE-family proposer loads (attach)"
 _LOOKUP_ON = "with \"prompt_lookup_min\"/\"prompt_lookup_max\" in an \"edsd\" or \"eagle3\" config"
 _DRAFTER_CONFIG = "vllm.config:ModelConfig.hf_config"  # the drafter's: SpeculativeConfig.draft_model_config
+_DRAFT_MODEL_INIT = (source_path(EDSD_METHOD.vllm_model) + ".__init__",)
 _CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector:ExampleHiddenStatesConnector"
 _HOST_WRITE = ("vllm_edsd/features/host_connector.py:HostHiddenStatesConnector._submit_async_write",)
 _ON_HOST = "in feature extraction through vLLM, where the KV cache is in host memory"
@@ -136,12 +139,12 @@ PATCHES: tuple[Patch, ...] = (
                   when="with \"num_drafter_tokens\" beside the prompt lookup keys"),
     Patch.made_by(CONFIG, _DRAFTER_CONFIG, "draft_vocab_size",
                   "the drafter's vocabulary, set as vLLM's own EAGLE-3 model sets it",
-                  where=("vllm_edsd/methods/edsd/vllm_model.py:EDSDLlamaForCausalLM.__init__",),
+                  where=_DRAFT_MODEL_INIT,
                   when="when an EDSD drafter loads"),
     Patch.made_by(CONFIG, _DRAFTER_CONFIG, "target_layer_count",
                   "vLLM's Llama decoder layer numbers the draft layer after the target's layers; set as vLLM's own "
                   "EAGLE-3 model sets it",
-                  where=("vllm_edsd/methods/edsd/vllm_model.py:EDSDLlamaForCausalLM.__init__",),
+                  where=_DRAFT_MODEL_INIT,
                   when="when an EDSD drafter loads"),
     Patch.made_by(EXCEPTION, "vllm.config:SpeculativeConfig", "__init__",
                   "a server's user reads one line, not vLLM's traceback: an EDSDError ends vllm serve with exit "

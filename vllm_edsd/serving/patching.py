@@ -53,6 +53,13 @@ def minor_spans(versions: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     return spans
 
 
+def source_path(target: str) -> str:
+    """The ``where`` form of ``"package.module:qualified.name"`` (a registry's ``"module:Class"``):
+    ``"package/module.py:qualified.name"``."""
+    module, _, name = target.partition(":")
+    return f"{module.replace('.', '/')}.py:{name}"
+
+
 @dataclass(frozen=True)
 class Patch:
     """One change to vLLM: ``owner.attribute``, why, when, and in which vLLM releases.

@@ -32,7 +32,7 @@ from vllm_edsd.serving.features.draft_length import CONFIG_ATTRIBUTE, LIMITER_AT
 from vllm_edsd.serving.features.lookup import CONFIG_ATTRIBUTE as LOOKUP_ATTRIBUTE
 from vllm_edsd.serving.features.lookup import VLLM_KEYS as LOOKUP_KEYS
 from vllm_edsd.serving.features.lookup import WORKER_METHOD
-from vllm_edsd.serving.patching import ENVIRONMENT, EXCEPTION, PRIVATE, Patch
+from vllm_edsd.serving.patching import ENVIRONMENT, EXCEPTION, PRIVATE, Patch, source_path
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ _LIMITER = "serving/features/draft_length.py"
 _LOOKUP = "serving/features/lookup.py"
 _CPU_SAMPLING = "serving/repairs/cpu_sampling.py"
 _CPU_ONEDNN = "serving/repairs/cpu_onednn.py"
-_MODEL = EDSD_METHOD.vllm_model.partition(":")[0].removeprefix("vllm_edsd.").replace(".", "/") + ".py"
+_MODEL = source_path(EDSD_METHOD.vllm_model).partition(":")[0].removeprefix("vllm_edsd/")
 _CONNECTOR = "features/host_connector.py"
 _FEATURES = "features/vllm_extraction.py"
 _CPU_KERNELS = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
