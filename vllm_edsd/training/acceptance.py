@@ -65,7 +65,7 @@ def predict(drafter, target_model, generations: list[tuple[list[int], list[int]]
             max_entropy: float | None = None, caps: Sequence[int] | None = None) -> SpecCounters:
     """Counters the reference ``drafter`` predicts for (prompt, greedy output) pairs; with
     ``max_entropy``, under the adaptive draft length; with ``caps``, each generation's drafts
-    at most its cap long (a per-request draft length, ``serving/draft_length.py``)."""
+    at most its cap long (a per-request draft length, ``serving/features/draft_length.py``)."""
     layer_ids = drafter.aux_layer_ids
     results = []
     for i, (prompt, output) in enumerate(generations):
