@@ -85,6 +85,15 @@ def test_llama3_rope_drafts_match_reference_model(models, parity_drafters, engin
     check_parity(models, engine_runs, baseline, served, source, "parity-llama3-rope", 1, specforge=False)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_token_reading_drafts_match_reference_model(models, parity_drafters, engine_runs, baseline, tp):
+    """The draft layer whose attention also reads the token, with EDFuse's gate reading the
+    normed feature (``attention_reads_token``, ``feature_norm``): vLLM's chains are the
+    reference's, also with the wider q/k/v projection sharded over two ranks."""
+    served, source = parity_drafters["reads-token"]
+    check_parity(models, engine_runs, baseline, served, source, f"parity-reads-token-tp{tp}", tp, specforge=False)
+
+
 def check_parity(models, engine_runs, baseline, served: str, source: str, key: str, tp: int, specforge: bool) -> None:
     job = {
         "target": models["llama"],

@@ -117,18 +117,22 @@ def test_shipped_edsd_in_float16_from_a_specforge_checkpoint_accepts_as_in_float
     assert_accepts_as(measured, reference, "the shipped weights from a SpecForge checkpoint, in float16")
 
 
+# The paper's draft layer in every dtype; the one whose attention also reads the token in float16.
+MASSIVE_CASES = [(dtype, "drafter") for dtype in DTYPES] + [("float16", "reads-token")]
+
+
 @pytest.mark.vllm_range
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_drafts_beside_a_massive_first_token_activation(massive_activation, engine_runs, dtype):
+@pytest.mark.parametrize(("dtype", "drafter"), MASSIVE_CASES, ids=[f"{d}-{k}" for d, k in MASSIVE_CASES])
+def test_drafts_beside_a_massive_first_token_activation(massive_activation, engine_runs, dtype, drafter):
     """Float32 values pass 65,504 at every draft step here; served in each dtype, the drafts are
     the float32 reference's on the text the engine wrote (a random drafter accepts nothing, so
     its drafts, not its acceptance, are compared)."""
     job = {"target": massive_activation["target"],
-           "speculative_config": edsd_spec(massive_activation["drafter"], CAPPED_K),
+           "speculative_config": edsd_spec(massive_activation[drafter], CAPPED_K),
            "llm_kwargs": {"enforce_eager": True, "dtype": dtype},
            "phases": [greedy_phase(prompts=PROMPTS, max_tokens=24, record_proposals=True)]}
-    phase = engine_runs(f"massive-activation-{dtype}", job)["phases"]["greedy"]
-    chains_for = reference_chains(massive_activation["target"], massive_activation["drafter"], k=CAPPED_K)
+    phase = engine_runs(f"massive-activation-{dtype}-{drafter}", job)["phases"]["greedy"]
+    chains_for = reference_chains(massive_activation["target"], massive_activation[drafter], k=CAPPED_K)
     same, total = draft_agreement(PROMPTS, phase, chains_for)
     assert total >= 8 * 10 * CAPPED_K
     assert same / total >= 0.9, f"{same} of {total} {dtype} draft tokens are the float32 reference's"

@@ -77,6 +77,11 @@ def build_parity_drafters(models: dict, root: Path) -> dict:
     )
     convert(llama3, root / "llama3-rope", target=models["llama"])
     drafters["llama3-rope"] = (str(root / "llama3-rope"), str(llama3))
+    reads_token = root / "reads-token-training"
+    make_drafter(models["llama"], reads_token, draft_vocab_size=256, layout=EDSD_TRAINING, seed=6,
+                 attention_reads_token=True, feature_norm=True)
+    convert(reads_token, root / "reads-token", target=models["llama"])
+    drafters["reads-token"] = (str(root / "reads-token"), str(reads_token))
     return drafters
 
 
@@ -125,7 +130,8 @@ def build_massive_activation(root: Path) -> dict:
     """The ``massive_activation`` fixture's target and drafter."""
     target = make_target(root / "target", seed=3, first_token_spike=30000.0)
     make_drafter(target, root / "drafter", draft_vocab_size=256, fusion_gain=5.0)
-    return {"target": str(target), "drafter": str(root / "drafter")}
+    make_drafter(target, root / "reads-token", draft_vocab_size=256, fusion_gain=5.0, attention_reads_token=True)
+    return {"target": str(target), "drafter": str(root / "drafter"), "reads-token": str(root / "reads-token")}
 
 
 def build_broken_drafters(models: dict, root: Path) -> dict[str, str]:

@@ -93,12 +93,14 @@ def test_demo_drafter_drafts_in_float16_what_it_drafts_in_float32(demo_pair):
     assert_float16_drafts_as_float32(*demo_pair)
 
 
-def test_toy_target_with_a_massive_first_token_activation(massive_activation):
+@pytest.mark.parametrize("drafter", ["drafter", "reads-token"])
+def test_toy_target_with_a_massive_first_token_activation(massive_activation, drafter):
     """A target whose first token carries 30,000 on one dimension, and a drafter whose
-    fed-back state grows per step: float16 drafts as float32 does."""
+    fed-back state grows per step, the paper's draft layer and the one whose attention also
+    reads the token: float16 drafts as float32 does."""
     target = load_target(massive_activation["target"])
     embed = target.model.embed_tokens.weight
-    drafter = EDSDDraftModel.from_pretrained(massive_activation["drafter"], embed_tokens=embed)
+    drafter = EDSDDraftModel.from_pretrained(massive_activation[drafter], embed_tokens=embed)
     sequence = torch.tensor([[1, *range(10, 74)]])
     layers = drafter.config.aux_layer_ids
     features = run_target(target, sequence, layers).features(layers)[:, :-1]

@@ -248,6 +248,9 @@ READ: tuple[VllmName, ...] = (
     *_of("vllm.model_executor.layers.linear:ColumnParallelLinear", _MODEL, ("", _LINEAR)),
     *_of("vllm.model_executor.layers.linear:RowParallelLinear", _MODEL, ("", _LINEAR + ", reduce_results")),
     *_of("vllm.model_executor.layers.linear:ReplicatedLinear", _MODEL, ("", _LINEAR + ", params_dtype")),
+    # the draft layer whose attention also reads the token: a 2d-wide fused q/k/v projection
+    *_of("vllm.model_executor.layers.linear:QKVParallelLinear", _MODEL,
+         ("", "self, hidden_size, head_size, total_num_heads, total_num_kv_heads, bias, ..., quant_config, prefix")),
     *_of("vllm.model_executor.layers.logits_processor:LogitsProcessor", _MODEL, ("", "self, vocab_size, ...")),
     *_of("vllm.model_executor.layers.quantization.base_config", _MODEL, "QuantizationConfig"),
     *_of("vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding", _MODEL,

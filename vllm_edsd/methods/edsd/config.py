@@ -26,6 +26,7 @@ LAYERNORM = "layernorm"
 TOKEN_NORMS = (RMSNORM, LAYERNORM)
 # A config written before the field existed had the LayerNorm.
 LEGACY_TOKEN_NORM = LAYERNORM
+SWITCHES = ("attention_reads_token", "feature_norm")  # the draft layer's changes beyond the paper
 PROVENANCE = ("converter", "source")  # what the converter records of how it made the drafter
 
 # The speculators format (docs/formats.md, "Speculators format"): vLLM takes a drafter
@@ -165,6 +166,12 @@ class EDSDConfig(DraftConfig):
                             block=True, null_absent=False, check=choice(*TOKEN_NORMS))
     fuse_intermediate_size: int = entry("EDFuse's gated MLP width", block=True, check=size)
     token_norm_eps: float = entry("the token norm's epsilon", default=1e-5, block=True, check=epsilon)
+    # Beyond the paper (docs/paper.md, "The draft layer's attention input"); off, the paper's design.
+    attention_reads_token: bool = entry("the draft layer's q/k/v read [input_layernorm(u); token_norm(e)]: the "
+                                        "token beside the fused stream", default=False, block=True,
+                                        null_absent=False, check=_flag)
+    feature_norm: bool = entry("EDFuse's gate reads RMSNorm(g): the fed-back state stays bounded", default=False,
+                               block=True, null_absent=False, check=_flag)
     metadata: dict = entry("provenance, written by the converter into the vLLM layout", default_factory=dict,
                            read=lambda reading: {k: v for k, v in reading.own_block().items() if k in PROVENANCE})
     speculators: Speculators | None = entry("the vLLM layout's speculators block, where the converter knew the "
@@ -233,6 +240,7 @@ class EDSDConfig(DraftConfig):
             "token_norm_eps": self.token_norm_eps,
             "token_norm_folded": self.token_norm_folded,
         }
+        block.update({name: True for name in SWITCHES if getattr(self, name)})  # the paper's design writes neither
         if self.target is not None:
             block["target"] = {k: v for k, v in asdict(self.target).items() if v is not None}
         block.update(self.metadata)

@@ -38,24 +38,37 @@ from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING, read_edsd_config
 
 
 class DraftDecoderLayer(nn.Module):
-    """One Llama decoder layer whose input is the EDFuse output (size d, not 2d)."""
+    """One Llama decoder layer over the EDFuse output ``u`` (residual ``u``). Its attention reads
+    ``input_layernorm(u)`` (width d: the paper's design), or, with ``attention_reads_token``,
+    ``[input_layernorm(u); token_norm(e)]`` (width 2d, as EAGLE-3's reads [token; feature]):
+    the token itself then lies in every key and value, which copying from the context needs."""
 
     def __init__(self, cfg: EDSDConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        d = cfg.hidden_size
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.token_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.attention_reads_token else None
+        self.self_attn = DraftAttention(cfg, input_size=2 * d if cfg.attention_reads_token else d)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(d, cfg.intermediate_size)
 
-    def forward(self, u: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps) -> torch.Tensor:
+    def attention_input(self, normed: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """What q/k/v read, from the normed stream and the token's embedding."""
+        if self.token_norm is None:
+            return normed
+        return torch.cat([normed, self.token_norm(token_embeds)], -1)
+
+    def forward(
+        self, u: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
+    ) -> torch.Tensor:
         dtype = self.input_layernorm.weight.dtype
         if u.dtype != dtype:  # a float32 stream around a float16 layer (float16_range.py)
             return float16_range.decoder_layer(
-                u, lambda x: self.self_attn(x, positions, kv), self.mlp,
+                u, lambda x: self.self_attn(self.attention_input(x, token_embeds), positions, kv), self.mlp,
                 (self.input_layernorm.weight, self.input_layernorm.eps),
                 (self.post_attention_layernorm.weight, self.post_attention_layernorm.eps), dtype,
             )
-        a = u + self.self_attn(self.input_layernorm(u), positions, kv)
+        a = u + self.self_attn(self.attention_input(self.input_layernorm(u), token_embeds), positions, kv)
         return a + self.mlp(self.post_attention_layernorm(a))
 
 
@@ -68,7 +81,8 @@ def token_norm(cfg: EDSDConfig) -> nn.Module:
 
 class EDFuse(nn.Module):
     """``down(silu(gate(g)) * up(norm(e)))``: gated fusion of feature and token streams.
-    A folded drafter's embedding table already holds ``norm(e)``."""
+    A folded drafter's embedding table already holds ``norm(e)``. With ``feature_norm`` the
+    gate reads ``RMSNorm(g)``: the fed-back state then stays bounded from step to step."""
 
     def __init__(self, cfg: EDSDConfig) -> None:
         super().__init__()
@@ -77,9 +91,12 @@ class EDFuse(nn.Module):
         self.up_proj = nn.Linear(d, m, bias=False)
         self.down_proj = nn.Linear(m, d, bias=False)
         self.token_norm = None if cfg.token_norm_folded else token_norm(cfg)
+        self.feature_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.feature_norm else None
 
     def forward(self, g: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         e = token_embeds if self.token_norm is None else self.token_norm(token_embeds)
+        if self.feature_norm is not None:
+            g = self.feature_norm(g)
         dtype = self.gate_proj.weight.dtype
         if g.dtype != dtype:  # a float32 feature beside float16 weights (float16_range.py)
             return float16_range.fuse(g, e, self.gate_proj, self.up_proj, self.down_proj, dtype)
@@ -130,12 +147,13 @@ class EDSDDraftModel(DraftHead):
         self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: returns (draft-vocab logits, pre-norm output fed back next step)."""
+        e = self.embed_tokens(input_ids)
         if not self.wide_stream:
-            a = self.midlayer(self.edfuse(g, self.embed_tokens(input_ids)), positions, kv)
+            a = self.midlayer(self.edfuse(g, e), e, positions, kv)
             return self.lm_head(self.norm(a)), a
         dtype = self.fc.weight.dtype
-        u = self.edfuse(float16_range.load_state(g), self.embed_tokens(input_ids))
-        a = self.midlayer(u, positions, kv)
+        u = self.edfuse(float16_range.load_state(g), e)
+        a = self.midlayer(u, e, positions, kv)
         logits = self.lm_head(float16_range.rms_norm(a, self.norm.weight, self.norm.eps).to(dtype))
         return logits, float16_range.store_state(a, dtype)
 

@@ -25,7 +25,12 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -87,10 +92,39 @@ def _checkpoint_to_param(name: str, params: dict) -> tuple[str | None, object]:
 
 
 class EDSDDecoderLayer(LlamaDecoderLayer):
-    """vLLM's Llama decoder layer, quantized like the drafter rather than the target."""
+    """vLLM's Llama decoder layer, quantized like the drafter rather than the target; its
+    attention reads ``input_layernorm(u)`` (the paper's design)."""
 
     def get_quant_config(self, vllm_config: VllmConfig) -> QuantizationConfig | None:
         return get_draft_quant_config(vllm_config)
+
+    def attention_input(self, normed: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        return normed
+
+
+class TokenReadingDecoderLayer(EDSDDecoderLayer):
+    """The decoder layer of ``attention_reads_token``: q/k/v read ``[input_layernorm(u);
+    token_norm(e)]`` (2d, a wider fused projection as vLLM's EAGLE-3 layer has), residual ``u``."""
+
+    def __init__(self, vllm_config: VllmConfig, *, edsd: EDSDConfig, prefix: str, config) -> None:
+        super().__init__(vllm_config, prefix=prefix, config=config)
+        self.self_attn.qkv_proj = QKVParallelLinear(
+            2 * edsd.hidden_size, edsd.head_dim, edsd.num_attention_heads, edsd.num_key_value_heads, bias=False,
+            quant_config=self.get_quant_config(vllm_config), prefix=maybe_prefix(prefix, "self_attn.qkv_proj"),
+        )
+        self.token_norm = RMSNorm(edsd.hidden_size, eps=edsd.rms_norm_eps)
+
+    def attention_input(self, normed: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        return torch.cat([normed, self.token_norm(token_embeds)], -1)
+
+    def forward_with_token(
+        self, positions: torch.Tensor, u: torch.Tensor, token_embeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual), as vLLM's decoder layers return them."""
+        attn = self.self_attn(positions=positions, hidden_states=self.attention_input(self.input_layernorm(u),
+                                                                                      token_embeds))
+        hidden, residual = self.post_attention_layernorm(attn, u)
+        return self.mlp(hidden), residual
 
 
 class EDFuse(nn.Module):
@@ -112,6 +146,7 @@ class EDFuse(nn.Module):
             reduce_results=False,
         )
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.feature_norm = RMSNorm(d, eps=edsd.rms_norm_eps) if edsd.feature_norm else None
         self.token_norm = None
         if not edsd.token_norm_folded:
             norm = nn.LayerNorm if edsd.token_norm == LAYERNORM else RMSNorm
@@ -120,6 +155,9 @@ class EDFuse(nn.Module):
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         if self.token_norm is not None:
             token_embeds = self.token_norm(token_embeds)
+        if self.feature_norm is not None:
+            features = (self.feature_norm(features) if features.dtype == token_embeds.dtype else
+                        float16_range.rms_norm(features, self.feature_norm.weight, self.feature_norm.variance_epsilon))
         if features.dtype == token_embeds.dtype:
             fused = self.fuse_down(F.silu(self.feature_gate(features)) * self.token_up(token_embeds))
         else:  # a float32 stream beside float16 weights
@@ -151,15 +189,11 @@ class EDSDLlamaModel(nn.Module):
         )
         self.edfuse = EDFuse(edsd, quant_config, maybe_prefix(prefix, "edfuse"))
         # The attention prefix must not collide with any target layer's.
-        self.layers = nn.ModuleList(
-            [
-                EDSDDecoderLayer(
-                    get_current_vllm_config(),
-                    prefix=maybe_prefix(prefix, f"layers.{start_layer_id}"),
-                    config=self.config,
-                )
-            ]
-        )
+        layer_prefix = maybe_prefix(prefix, f"layers.{start_layer_id}")
+        layer = (TokenReadingDecoderLayer(get_current_vllm_config(), edsd=edsd, prefix=layer_prefix, config=self.config)
+                 if edsd.attention_reads_token else
+                 EDSDDecoderLayer(get_current_vllm_config(), prefix=layer_prefix, config=self.config))
+        self.layers = nn.ModuleList([layer])
         self.norm = RMSNorm(edsd.hidden_size, eps=edsd.rms_norm_eps)
         self.dtype = vllm_config.model_config.dtype
         self.wide_stream = float16_range.needs_wide_stream(self.dtype)
@@ -179,7 +213,11 @@ class EDSDLlamaModel(nn.Module):
         if self.wide_stream:
             return self.forward_float32_stream(positions, float16_range.load_state(hidden_states), input_embeds)
         fused = self.edfuse(hidden_states, input_embeds)
-        hidden_states, residual = self.layers[0](positions, fused, None)
+        layer = self.layers[0]
+        if isinstance(layer, TokenReadingDecoderLayer):
+            hidden_states, residual = layer.forward_with_token(positions, fused, input_embeds)
+        else:
+            hidden_states, residual = layer(positions, fused, None)
         normed, prenorm = self.norm(hidden_states, residual)
         return normed, prenorm
 
@@ -191,7 +229,7 @@ class EDSDLlamaModel(nn.Module):
         layer = self.layers[0]
         prenorm = float16_range.decoder_layer(
             self.edfuse(state, input_embeds),
-            lambda x: layer.self_attn(positions=positions, hidden_states=x),
+            lambda x: layer.self_attn(positions=positions, hidden_states=layer.attention_input(x, input_embeds)),
             layer.mlp,
             (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
             (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
