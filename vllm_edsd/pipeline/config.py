@@ -135,6 +135,8 @@ class Train:
     feature_noise: float | None = None
     # EDSD's architecture (EAGLE-3 has no such part: its runs leave these out)
     token_norm: str | None = field(default=None, metadata={CHOICES: TOKEN_NORMS})
+    attention_reads_token: bool | None = None  # the draft layer also reads the token (not the paper's)
+    feature_norm: bool | None = None  # EDFuse's gate reads the normed feature (not the paper's)
     # the run
     seed: int | None = None
     device: str | None = None

@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-norm", choices=TOKEN_NORMS,
                         help="EDFuse's norm of the token embedding: rmsnorm (SpecForge's, default) or layernorm "
                              "(with bias, as the paper's prose describes)")
+    parser.add_argument("--attention-reads-token", action="store_true",
+                        help="EDSD's draft layer reads [norm(u); norm(e)]: the token beside the fused stream, as "
+                             "EAGLE-3's attention does (not the paper's design; docs/paper.md)")
+    parser.add_argument("--feature-norm", action="store_true",
+                        help="EDFuse's gate reads the normed feature, so the fed-back state stays bounded (not the "
+                             "paper's design; docs/paper.md)")
     parser.add_argument("--no-mask-p", action="store_true", help="ablation: no entropy mask")
     parser.add_argument("--no-step-n", action="store_true", help="ablation: fixed TTT steps")
     parser.add_argument("--feature-noise", type=float,

@@ -11,7 +11,7 @@ import torch
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import decoder_of
 from vllm_edsd.methods import method
-from vllm_edsd.methods.edsd.config import EDSDConfig
+from vllm_edsd.methods.edsd.config import SWITCHES, EDSDConfig
 
 from .options import TrainOptions
 
@@ -47,10 +47,15 @@ def resolve_layers(options: TrainOptions, num_layers: int) -> tuple[int, ...]:
 def build_model(options: TrainOptions, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t, t2d):
     """The drafter, initialised from the target where shapes allow (same for both methods)."""
     draft_vocab = len(d2t)
+    switches = {name: getattr(options, name) for name in SWITCHES}
+    stray = [f"--{name.replace('_', '-')}" for name, on in switches.items()
+             if on and name not in method(options.method).own_train_fields]
+    if stray:
+        raise EDSDError(f"{', '.join(stray)}: a switch of EDSD's draft layer, not {options.method}'s")
     cfg = EDSDConfig.for_target(cfg_raw, layers[:2], draft_vocab_size=draft_vocab,
                                 fuse_intermediate_size=options.fuse_intermediate_size,
                                 intermediate_size=options.intermediate_size, token_norm=options.token_norm,
-                                source=f"{options.target}/config.json")
+                                source=f"{options.target}/config.json").with_updates(**switches)
     torch.manual_seed(options.seed)
     model = method(options.method).model.build(cfg, layers)
     with torch.no_grad():

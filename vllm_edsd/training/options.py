@@ -26,6 +26,8 @@ class TrainOptions(SampleOptions):
     edtrain_reading: str = "paper"  # schedule.READINGS
     gamma: float | None = None  # Mask-p_t percent per remaining epoch; None: the reading's
     token_norm: str = RMSNORM  # EDFuse's norm of the token embedding
+    attention_reads_token: bool = False  # EDSD's q/k/v also read the token (edsd_config's switch)
+    feature_norm: bool = False  # EDFuse's gate reads the normed feature (edsd_config's switch)
     no_mask_p: bool = False  # ablation: no entropy mask
     no_step_n: bool = False  # ablation: fixed TTT steps
     feature_noise: float = 0.0  # Gaussian noise on the features, relative to each layer's RMS

@@ -3,6 +3,7 @@ one Llama decoder layer drafts (``model.py``); its layouts (``layouts.py``); its
 (``vllm_model.py``), served through vLLM's EAGLE-3 proposer; float16's range
 (``float16_range.py``, ``range_probe.py``)."""
 
+from vllm_edsd.methods.edsd.config import SWITCHES
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM, LAYOUTS
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
 from vllm_edsd.methods.registry import EDSD, VLLM_EAGLE3, Method
@@ -18,6 +19,6 @@ METHOD = Method(
     aux_layers=2,
     default_layers=None,
     curriculum=True,
-    own_train_fields=("token_norm",),
+    own_train_fields=("token_norm", *SWITCHES),
     converts=True,
 )
