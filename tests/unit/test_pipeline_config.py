@@ -191,6 +191,21 @@ def test_edsd_only_keys_reach_edsd_alone(toy, tmp_path):
     assert argv[argv.index("--token-norm") + 1] == "layernorm" and "--token-norm" not in command_line("train", eagle3)
 
 
+def test_the_draft_layer_switches_reach_edsd_alone(toy, tmp_path):
+    """``train.attention_reads_token`` and ``train.feature_norm`` switch EDSD's draft layer away
+    from the paper's; EAGLE-3's run is given neither, and ``edsd train`` shows them as flags."""
+    from vllm_edsd.command import command_line
+    from vllm_edsd.pipeline.config import load_config
+    from vllm_edsd.pipeline.stages import Plan
+
+    switches = {"attention_reads_token": True, "feature_norm": True}
+    plan = Plan(load_config(toy_config(toy, tmp_path / "work", train=switches)))
+    edsd, eagle3 = plan.train_options("edsd"), plan.train_options("eagle3")
+    assert edsd.attention_reads_token and edsd.feature_norm
+    assert not eagle3.attention_reads_token and not eagle3.feature_norm
+    assert {"--attention-reads-token", "--feature-norm"} <= set(command_line("train", edsd))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"train": {"epoch": 3}}, "unknown key train.epoch"),
     ({"train": {"epochs": "3"}}, "train.epochs must be an integer, got '3'"),

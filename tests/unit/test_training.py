@@ -207,3 +207,31 @@ def test_feature_noise_is_relative_to_each_layers_scale():
     for clean, perturbed in ((quiet, noisy[..., :32]), (loud, noisy[..., 32:])):
         ratio = ((perturbed - clean).pow(2).mean() / clean.pow(2).mean()).sqrt()
         assert ratio == pytest.approx(0.1, rel=0.05)
+
+
+def test_the_draft_layer_switches_build_edsds_variant_and_are_refused_for_eagle3(models):
+    """``--attention-reads-token``/``--feature-norm`` build EDSD's draft layer that reads the token
+    and EDFuse's norm on the feature, recorded in the config it saves; EAGLE-3 has no such part."""
+    import json
+    from pathlib import Path
+
+    from vllm_edsd.errors import EDSDError
+    from vllm_edsd.launch.transformers_target import load_target
+    from vllm_edsd.training.drafter import build_model
+    from vllm_edsd.training.options import TrainOptions
+
+    target = load_target(models["llama"])
+    raw = json.loads((Path(models["llama"]) / "config.json").read_text())
+    d2t, t2d = torch.zeros(256, dtype=torch.long), torch.zeros(raw["vocab_size"], dtype=torch.bool)
+    t2d[:256] = True
+    options = TrainOptions(target=models["llama"], out="unused", data="unused", attention_reads_token=True,
+                           feature_norm=True)
+    model = build_model(options, target, raw, (1, 3), d2t, t2d)
+    assert model.config.attention_reads_token and model.config.feature_norm
+    assert model.midlayer.self_attn.q_proj.in_features == 2 * model.config.hidden_size
+    assert model.edfuse.feature_norm is not None
+    block = model.config.to_training_dict("LlamaForCausalLMEDSD")["edsd_config"]
+    assert block["attention_reads_token"] is True and block["feature_norm"] is True
+    eagle3 = TrainOptions(target=models["llama"], out="unused", data="unused", method="eagle3", feature_norm=True)
+    with pytest.raises(EDSDError, match="^--feature-norm: a switch of EDSD's draft layer, not eagle3's$"):
+        build_model(eagle3, target, raw, (1, 2, 3), d2t, t2d)
