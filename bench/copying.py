@@ -286,7 +286,7 @@ def magnitude(value: float | None) -> str:
 
 
 def first_draft_table(results: dict) -> list[str]:
-    """The issue's table: step-0 accuracy per split, each drafter beside the rule."""
+    """Step-0 accuracy per split, each drafter beside the copy rule."""
     methods = list(results["drafters"])
     first = {method: results["drafters"][method]["steps"][0] for method in methods}
     counts = first[methods[0]]

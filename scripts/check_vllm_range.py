@@ -18,7 +18,7 @@ row against it:
 The expected shapes are recorded in ``vllm_names.py`` (not derived from one installed vLLM),
 so a release that differs from the one the plugin was written against shows up as a break.
 When the plugin starts to use another vLLM name, add it to ``READ``; a new row of ``PATCHES``
-whose kind needs a recorded shape needs its entry in ``PATCHED`` (tests/unit/test_vllm_range.py
+whose kind needs a recorded shape needs its entry in ``PATCHED`` (tests/unit/test_serving_vllm_range.py
 fails without one). This is a static check: it finds names vLLM moved, renamed, removed or
 reshaped, not changed behaviour.
 

@@ -38,7 +38,7 @@ def models(tmp_path_factory) -> dict:
 def massive_activation(tmp_path_factory) -> dict:
     """A toy target whose first token carries 30,000 on one dimension (as SmolLM2-135M's carries
     about 24,800), and an EDSD drafter whose fed-back state grows about tenfold per step: their
-    float32 values pass float16's 65,504 at every draft step (tests/unit/test_model_float16.py)."""
+    float32 values pass float16's 65,504 at every draft step (tests/unit/test_methods_float16.py)."""
     return build_once(tmp_path_factory, "massive-activation", build_massive_activation)
 
 

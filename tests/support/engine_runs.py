@@ -72,8 +72,8 @@ def serve_fitted(trained: dict, engine_runs, key: str, spec: dict | None, eager:
 
 def llama_edsd_eager(models: dict, engine_runs) -> dict:
     """The toy Llama target with its EDSD drafter (K=4), eager and in float32 like the reference,
-    vLLM's defaults otherwise (prefix caching on): PROMPTS (test_serving.py), then
-    SHARED_PREFIX_PROMPTS one at a time with their caps (test_prefix_caching.py), every chain
+    vLLM's defaults otherwise (prefix caching on): PROMPTS (test_serving_engines.py), then
+    SHARED_PREFIX_PROMPTS one at a time with their caps (test_serving_prefix_caching.py), every chain
     and each request's drafter forwards recorded."""
     job = {
         "target": models["llama"],

@@ -4,7 +4,7 @@
 PROMPTS = [[1, *range(10 + 7 * i, 10 + 7 * i + 3 + i)] for i in range(8)]
 # Six prompts, each one of two 257-token prefixes (two blocks of vLLM's CPU default of 128
 # tokens, and one token more) and its own few tokens: once a prefix's first request has run,
-# the prefix cache holds it for the others (tests/engine/test_prefix_caching.py).
+# the prefix cache holds it for the others (tests/engine/test_serving_prefix_caching.py).
 SHARED_PREFIXES = [[1, *range(20, 276)], [1, *range(500, 244, -1)]]
 SHARED_PREFIX_PROMPTS = [SHARED_PREFIXES[which] + list(range(280 + 10 * i, 285 + 11 * i))
                          for i, which in enumerate([0, 1, 0, 1, 1, 0])]

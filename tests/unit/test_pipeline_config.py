@@ -62,7 +62,7 @@ def write_config(path: Path, sections: dict[str, dict]) -> Path:
 
 
 def toy_config(toy, work: Path, **changes) -> Path:
-    # the unit tier starts no vLLM engine: features through transformers (test_features.py checks vLLM's)
+    # the unit tier starts no vLLM engine: features through transformers (test_features_extraction.py checks vLLM's)
     sections = {"target": {"path": str(toy["target"]), "features_backend": "transformers"},
                 "data": {"file": str(toy["data"])},
                 "layers": {"edsd": [1, 3], "eagle3": [1, 2, 3]}, "train": TRAINING, "output": {"work": str(work)}}

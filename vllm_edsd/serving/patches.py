@@ -1,5 +1,5 @@
 """Every change vllm-edsd makes to vLLM, as one table: ``PATCHES`` (docs/architecture.md,
-"Patches"; the same rows in the same order, tests/unit/test_patches.py), and ``REFUSAL``, its
+"Patches"; the same rows in the same order, tests/unit/test_serving_patches.py), and ``REFUSAL``, its
 one row applied on a vLLM outside the supported range instead of the others.
 
 A row is a ``patching.Patch``. The replacements come from the core (``request.py``,
@@ -60,7 +60,7 @@ def _connector_state(attribute: str, why: str) -> Patch:
 
 
 # Every change vllm-edsd makes to vLLM (docs/architecture.md, "Patches"; the same rows in the
-# same order, tests/unit/test_patches.py). The first rows are replacements made by
+# same order, tests/unit/test_serving_patches.py). The first rows are replacements made by
 # ``Patch.apply``; the others are made by the code each names.
 PATCHES: tuple[Patch, ...] = (
     Patch("vllm.config:SpeculativeConfig", "__init__",

@@ -6,7 +6,7 @@ its own. A row of kind ``REPLACE`` wraps the attribute it names exactly once per
 (vLLM loads plugins in every process and may import this package again), and says so once at
 debug level. The other kinds describe a change the plugin's own code makes (a hook on an
 instance, a private attribute, an environment variable...): the row names that code
-(``where``), and tests/unit/test_patches.py fails on any such change the rows do not name.
+(``where``), and tests/unit/test_serving_patches.py fails on any such change the rows do not name.
 """
 
 from __future__ import annotations

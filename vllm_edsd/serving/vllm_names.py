@@ -11,7 +11,7 @@ Every row of ``patches.PATCHES`` and ``patches.REFUSAL`` is checked, as its kind
 cannot say (the signature a replacement, a hook or an override expects, the class vLLM
 instantiates, a config attribute's counterpart in vLLM); the kinds a row describes fully
 (a private attribute, an environment variable, an exception) are checked from the row
-alone. A row of another kind without an entry has no check, and tests/unit/test_vllm_range.py
+alone. A row of another kind without an entry has no check, and tests/unit/test_serving_vllm_range.py
 fails. ``READ`` holds what the plugin reads, calls or subclasses without changing it: a name
 that is a row is not listed again there.
 

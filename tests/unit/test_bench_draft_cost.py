@@ -82,7 +82,7 @@ def traced(path, with_stack: bool) -> dict[str, list[float]]:
 PROFILE_IN_A_FRESH_PROCESS = """
 import json, sys
 sys.path[:0] = [sys.argv[3], sys.argv[4]]
-from test_draft_cost import traced
+from test_bench_draft_cost import traced
 print(json.dumps(traced(sys.argv[1], with_stack=sys.argv[2] == "stack")))
 """
 

@@ -3,7 +3,7 @@
 T=0: output identical to the target's alone; both sources draft, the drafter within its own
 length; the counts per source add up to vLLM's own spec-decode counters; a request capped at 0
 gets no drafts from either source, and capped ones no more than their cap.
-Unit tests of the matcher, the rule and the config: tests/unit/test_lookup.py."""
+Unit tests of the matcher, the rule and the config: tests/unit/test_serving_lookup.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ target: 1,023 tokens, a longer sample cut and counted), and ``edsd convert``. An
 engine that asks for more tokens than the target holds (2,049) dies in vLLM's config validation
 on every rank.
 Lengths the target cannot hold, given by hand, are refused before any engine:
-``tests/unit/test_targets.py``."""
+``tests/unit/test_checkpoint_targets.py``."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ MAX_FUNCTION_LINES."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ PACKAGES = ("vllm_edsd", "weights_convert", "bench")
 # room -> the rooms it may import (besides itself). A module's room is the longest entry that is
 # it or a package above it. Add a room here, with what it needs, before importing across rooms.
 ROOMS: dict[str, set[str]] = {
+    # what every stage stands on
     "vllm_edsd.errors": set(),
     "vllm_edsd.version": set(),
     "vllm_edsd.command": {"vllm_edsd.errors"},
@@ -24,38 +26,39 @@ ROOMS: dict[str, set[str]] = {
     "vllm_edsd.checkpoint": {"vllm_edsd.errors"},
     "vllm_edsd.methods": {"vllm_edsd.errors", "vllm_edsd.checkpoint"},
     "vllm_edsd.launch": {"vllm_edsd.errors", "vllm_edsd.checkpoint"},
+    # the data flow: select -> regenerate -> features -> train -> convert -> serve
+    "vllm_edsd.selection": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.data",
+                            "vllm_edsd.launch", "vllm_edsd.features"},
     "vllm_edsd.regeneration": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.data",
                                "vllm_edsd.launch"},
     "vllm_edsd.features": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.data",
                            "vllm_edsd.launch", "vllm_edsd.regeneration"},
-    "vllm_edsd.selection": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.data",
-                            "vllm_edsd.launch", "vllm_edsd.features"},
+    "vllm_edsd.training": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.methods",
+                           "vllm_edsd.data", "vllm_edsd.launch", "vllm_edsd.features"},
+    "vllm_edsd.conversion": {"vllm_edsd.errors", "vllm_edsd.version", "vllm_edsd.command", "vllm_edsd.checkpoint",
+                             "vllm_edsd.methods"},
     "vllm_edsd.serving.patching": set(),  # how a change to vLLM is made (a module as a room)
     "vllm_edsd.serving.repairs": {"vllm_edsd.launch", "vllm_edsd.serving.patching"},
     "vllm_edsd.serving.features": {"vllm_edsd.errors"},
     "vllm_edsd.serving": {"vllm_edsd.errors", "vllm_edsd.checkpoint", "vllm_edsd.methods", "vllm_edsd.launch",
                           "vllm_edsd.serving.patching", "vllm_edsd.serving.repairs", "vllm_edsd.serving.features"},
-    "vllm_edsd.conversion": {"vllm_edsd.errors", "vllm_edsd.version", "vllm_edsd.command", "vllm_edsd.checkpoint",
-                             "vllm_edsd.methods"},
-    "vllm_edsd.training": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.methods",
-                           "vllm_edsd.data", "vllm_edsd.launch", "vllm_edsd.features"},
+    # the flow as one command, the demo, the entry points
     "vllm_edsd.pipeline": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.methods",
-                           "vllm_edsd.data",
-                           "vllm_edsd.selection", "vllm_edsd.regeneration", "vllm_edsd.features", "vllm_edsd.training",
-                           "vllm_edsd.conversion"},
+                           "vllm_edsd.data", "vllm_edsd.selection", "vllm_edsd.regeneration", "vllm_edsd.features",
+                           "vllm_edsd.training", "vllm_edsd.conversion"},
     "vllm_edsd.demo": {"vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.checkpoint", "vllm_edsd.methods",
-                       "vllm_edsd.data",
-                       "vllm_edsd.launch", "vllm_edsd.training", "vllm_edsd.conversion", "vllm_edsd.pipeline"},
+                       "vllm_edsd.data", "vllm_edsd.launch", "vllm_edsd.training", "vllm_edsd.conversion",
+                       "vllm_edsd.pipeline"},
     "vllm_edsd.cli": {"vllm_edsd.command", "vllm_edsd.conversion", "vllm_edsd.selection", "vllm_edsd.regeneration",
                       "vllm_edsd.features", "vllm_edsd.training", "vllm_edsd.pipeline", "vllm_edsd.demo"},
     "vllm_edsd": {"vllm_edsd.version", "vllm_edsd.serving"},  # the package itself: the vLLM plugin entry point
     "vllm_edsd.__main__": {"vllm_edsd.cli"},  # python -m vllm_edsd (torchrun -m vllm_edsd)
     "weights_convert": {"vllm_edsd.conversion", "vllm_edsd.cli"},
+    # the measurements
     "bench": {"vllm_edsd", "vllm_edsd.errors", "vllm_edsd.command", "vllm_edsd.data", "vllm_edsd.checkpoint",
               "vllm_edsd.methods", "vllm_edsd.launch", "vllm_edsd.regeneration", "vllm_edsd.serving",
-              "vllm_edsd.serving.features",
-              "vllm_edsd.features", "vllm_edsd.training", "vllm_edsd.conversion", "vllm_edsd.pipeline",
-              "vllm_edsd.demo"},
+              "vllm_edsd.serving.features", "vllm_edsd.features", "vllm_edsd.training", "vllm_edsd.conversion",
+              "vllm_edsd.pipeline", "vllm_edsd.demo"},
 }
 
 
@@ -136,7 +139,7 @@ def test_no_import_goes_against_the_rooms():
             other_room = room_of(other)
             if other_room != room and other_room not in ROOMS[room]:
                 wrong.append(f"{module} ({room}) imports {other} ({other_room})")
-    assert wrong == [], "imports the room table (tests/unit/test_architecture.py) does not allow:\n" + "\n".join(wrong)
+    assert wrong == [], "imports the room table (ROOMS, above) does not allow:\n" + "\n".join(wrong)
 
 
 def test_no_import_circles():
@@ -186,7 +189,9 @@ def test_the_package_does_not_import_its_entries_or_the_tests():
 
 
 # A function longer than this does several things: give each a name of its own.
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60
+# A module longer than this holds more than one subject: give each a module of its own.
+MAX_MODULE_LINES = 400
 
 
 def function_lengths(tree: ast.AST) -> Iterator[tuple[str, int, int]]:
@@ -209,6 +214,12 @@ def function_lengths(tree: ast.AST) -> Iterator[tuple[str, int, int]]:
 def test_function_length_runs_from_def_to_the_end_of_the_body():
     source = "@cache\n@wraps(g)\ndef f():\n    x = 1\n\n    return x\nclass C:\n    def m(self):\n        pass\n"
     assert list(function_lengths(ast.parse(source))) == [("f", 3, 4), ("C.m", 8, 2)]
+
+
+def test_no_module_is_longer_than_the_limit():
+    too_long = [f"{path.relative_to(ROOT)}: {lines} lines" for path in MODULES.values()
+                if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert too_long == [], f"modules over {MAX_MODULE_LINES} lines (split them by subject):\n" + "\n".join(too_long)
 
 
 def test_no_function_is_longer_than_the_limit():
@@ -260,3 +271,71 @@ def test_modules_new_in_python_3_11_are_imported_with_their_fallback():
     for fallback in NEW_IN_PYTHON_3_11.values():
         assert any(line.strip().startswith(f'"{fallback}') and "python_version < '3.11'" in line
                    for line in requirements), f"pyproject.toml: no {fallback} requirement for Python 3.10"
+
+
+# The one module where a drafting method's name is written; everything else reads the registry.
+METHOD_NAMES_MODULE = "vllm_edsd.methods.registry"
+
+
+def docstring_nodes(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions."""
+    owners = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, owners) and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+
+
+def method_name_literals(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines where a string constant is exactly a method's name: docstrings aside, and the
+    ``prog`` of the ``edsd`` command, which is named like the method it serves."""
+    skip = docstring_nodes(tree)
+    skip |= {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg == "prog"}
+    return sorted(node.lineno for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in names and id(node) not in skip)
+
+
+def test_method_names_are_written_only_in_the_registry():
+    from vllm_edsd.methods import METHODS
+    from vllm_edsd.methods.registry import VLLM_EAGLE3
+
+    names = set(METHODS) | {VLLM_EAGLE3}
+    found = [f"{MODULES[module].relative_to(ROOT)}:{line}"
+             for module in MODULES if module != METHOD_NAMES_MODULE
+             for line in method_name_literals(ast.parse(MODULES[module].read_text()), names)]
+    assert found == [], "method names as literals outside the registry (use vllm_edsd.methods):\n" + "\n".join(found)
+
+
+def test_the_literal_finder_sees_literals_and_skips_docstrings():
+    tree = ast.parse('"""edsd"""\ndef f():\n    """eagle3"""\n    return {"edsd": 1}\nparser(prog="edsd")\n')
+    assert method_name_literals(tree, {"edsd", "eagle3"}) == [4]
+
+
+# The stages of the data flow, in its order (docs/architecture.md, "Data flow").
+FLOW = ("vllm_edsd.selection", "vllm_edsd.regeneration", "vllm_edsd.features", "vllm_edsd.training",
+        "vllm_edsd.conversion", "vllm_edsd.serving", "bench")
+
+
+def documented_rooms() -> dict[str, set[str]]:
+    """docs/architecture.md's rooms table, room -> what it may import, in the table's order."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Rooms", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+
+    def full(name: str) -> str:
+        name = name.strip().strip("`").rstrip("/")
+        return "vllm_edsd" if name == "the package" else name if name.split(".")[0] in PACKAGES else f"vllm_edsd.{name}"
+
+    rooms = {}
+    for first, _what, imports in rows:
+        allowed = set() if imports.strip(" |") == "—" else {full(n) for n in imports.strip(" |").split(",")}
+        for room in re.findall(r"`([^`]+)`", first):
+            rooms[full(room)] = allowed
+    return rooms
+
+
+def test_the_documented_rooms_are_the_rooms_in_data_flow_order():
+    documented = documented_rooms()
+    assert documented == ROOMS, "docs/architecture.md's rooms table and ROOMS differ"
+    assert list(documented) == list(ROOMS), "docs/architecture.md lists the rooms in another order than ROOMS"
+    order = list(ROOMS)
+    assert [order.index(room) for room in FLOW] == sorted(order.index(room) for room in FLOW)

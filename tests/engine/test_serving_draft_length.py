@@ -2,7 +2,7 @@
 server's ``vllm_xargs``) in real engines: a mixed batch at T=0 is the target's own output,
 every request drafts exactly its cap at every step while the others keep K, and vLLM's
 counters are the reference's replay under those caps. With the adaptive rule:
-``test_adaptive.py``; through the server: ``test_server.py``."""
+``test_serving_adaptive_length.py``; through the server: ``test_serving_server.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """SpecForge's EDSD checkpoints (``EdsdDraftModel``): the reference model follows SpecForge's
 semantics, ``edsd convert`` turns every variant of the layout into the same vLLM drafter
 without opening ``training_state.pt``, and every bad input is refused with one clear line and
-nothing left behind. Serving parity of converted SpecForge drafters is in test_serving.py."""
+nothing left behind. Serving parity of converted SpecForge drafters is in test_serving_engines.py."""
 
 from __future__ import annotations
 

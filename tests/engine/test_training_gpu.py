@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 BF16_STEP = 2.0**-7  # the stored features are bfloat16; both paths run the target in float32
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "vllm_edsd")
-LR = 3e-3  # the CPU test's (tests/engine/test_distributed.py): weights within lr/100 there
+LR = 3e-3  # the CPU test's (tests/engine/test_training_distributed.py): weights within lr/100 there
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL data parallelism needs two GPUs")
 
 
@@ -84,7 +84,7 @@ def test_two_ranks_over_nccl_train_and_resume(models, data, tmp_path):
 def test_fsdp_over_nccl_trains_what_ddp_trains_and_resumes(models, data, tmp_path):
     """``--data-parallel fsdp`` on two GPUs (FSDP2 over NCCL): the final checkpoint has DDP's
     tensor names, shapes and dtypes and its weights within lr/100 of DDP's (both equal one
-    process on the union batch: tests/engine/test_distributed.py); the state is read back."""
+    process on the union batch: tests/engine/test_training_distributed.py); the state is read back."""
     fsdp = train_args(models, data, tmp_path / "fsdp", "--lr", str(LR), "--data-parallel", "fsdp")
     ddp = train_args(models, data, tmp_path / "ddp", "--lr", str(LR))
     assert "2 data-parallel processes (fsdp)" in edsd(*fsdp, launcher=TORCHRUN)

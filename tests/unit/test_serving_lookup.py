@@ -1,7 +1,7 @@
 """Prompt lookup beside the drafter (``serving/features/lookup.py``): the n-gram matcher against
 vLLM's own, the choice rule, tokens so far as the runner holds them, the drafts and draft
 probabilities handed on, counting by source, the speculative config's keys on vLLM's own
-config path, and the bench's ``edsd+lookup``. The engine test: tests/engine/test_lookup.py."""
+config path, and the bench's ``edsd+lookup``. The engine test: tests/engine/test_serving_lookup_engines.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ derives it, a length the target cannot hold is refused in one line before any wo
 prompts past it are cut or skipped and counted, and a target whose text settings are nested in
 ``text_config`` (a multimodal model) is read right wherever its config is read, by ``edsd
 convert`` too. The whole flow on a short-context target, under torchrun, with vLLM's feature
-extraction: ``tests/engine/test_short_context.py``."""
+extraction: ``tests/engine/test_serving_short_context.py``."""
 
 from __future__ import annotations
 

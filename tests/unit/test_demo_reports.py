@@ -1,0 +1,41 @@
+"""What the demo reports: its dtype, where a reply differs, and shipped assets without machine paths."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_demo_names_its_dtype_and_where_a_reply_differs():
+    from vllm_edsd.demo import DEMO_DTYPE, summary
+    from vllm_edsd.launch.engine import SpecCounters
+
+    counters = SpecCounters(drafts=4, draft_tokens=16, accepted=8, accepted_per_pos=[4, 2, 1, 1])
+    plain = {"texts": ["a"] * 4, "token_ids": [[1, 2, 3, 4]] * 4, "tokens_per_s": 10.0, "counters": None,
+             "margins": [[5.0, 4.0, 0.0123, 2.0]] * 4}
+    drafted = {**plain, "token_ids": [[1, 2, 9, 4]] + [[1, 2, 3, 4]] * 3, "tokens_per_s": 20.0, "counters": counters,
+               "margins": None}
+    text = summary({"none": plain, "edsd": drafted}, 4)
+    assert DEMO_DTYPE == "float32" and "float32, K=4" in text
+    assert "3/4" in text
+    assert (
+        "edsd: prompt 1 differs from the target alone first at token 2; the target's top-2 logit margin there is 0.0123"
+        in text
+    )
+
+
+def test_shipped_assets_record_no_machine_paths():
+    from vllm_edsd.demo import ASSETS
+
+    def strings(value):
+        if isinstance(value, dict):
+            for v in value.values():
+                yield from strings(v)
+        elif isinstance(value, list):
+            for v in value:
+                yield from strings(v)
+        elif isinstance(value, str):
+            yield value
+
+    for file in (ASSETS / "edsd" / "config.json", ASSETS / "eagle3" / "config.json", ASSETS / "layers.json"):
+        absolute = [s for s in strings(json.loads(file.read_text())) if s.startswith(("/", "~")) or ":\\" in s]
+        assert not absolute, (file, absolute)
