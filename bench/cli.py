@@ -126,6 +126,12 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="vllm bench serve's sampling seed (default 0)")
 
 
+def held_out_prompt_options(add) -> None:
+    """The bench's held-out prompts, as the instruments without a server read them."""
+    add("--prompts-per-category", type=int, default=4, help="held-out prompts per bench category (default 4)")
+    add("--max-tokens", type=int, default=128, help="tokens of each greedy answer at most (default 128)")
+
+
 def learning_curve_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--out", required=True, help="where results.json, report.md and the plot go")
@@ -136,8 +142,7 @@ def learning_curve_options(parser: argparse.ArgumentParser) -> None:
     add("--chat-prompts", type=int, default=None, help="ShareGPT chat prompts answered (default: in proportion)")
     add("--code-prompts", type=int, default=None, help="ShareGPT code prompts answered (default: a third)")
     add("--k", type=int, default=4, help="num_speculative_tokens when τ is measured (default 4)")
-    add("--prompts-per-category", type=int, default=4, help="held-out prompts per bench category (default 4)")
-    add("--max-tokens", type=int, default=128, help="tokens generated per held-out prompt (default 128)")
+    held_out_prompt_options(add)
     add("--device", default="cpu", help="where the drafters train (default cpu)")
     add("--feature-layers", default=None,
         help="more target layers whose features are extracted and cached for every point, besides EDSelect's "
@@ -172,8 +177,7 @@ def copying_options(parser: argparse.ArgumentParser) -> None:
     add(f"--{EDSD}", help="EDSD drafter directory, any EDSD layout (default: the demo's)")
     add(f"--{EAGLE3}", help="EAGLE-3 drafter directory, vLLM's layout (default: the demo's)")
     add("--steps", type=int, default=4, help="draft steps per chain, K (default 4)")
-    add("--prompts-per-category", type=int, default=4, help="held-out prompts per bench category (default 4)")
-    add("--max-tokens", type=int, default=128, help="most tokens of each greedy answer (default 128)")
+    held_out_prompt_options(add)
 
 
 def cold_starts_options(parser: argparse.ArgumentParser) -> None:
