@@ -33,6 +33,21 @@ def test_relative_links_point_at_files_in_the_repository(page):
     assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_link_leaves_the_repository(page):
+    """Every figure and source a page cites is in the repository: a reader offline can follow it."""
+    text = CODE.sub("", FENCE.sub("", page.read_text(encoding="utf-8")))
+    external = [target for target in LINK.findall(text) if EXTERNAL.match(target)]
+    external += re.findall(r"(?<![`(])\bhttps?://\S+", text)
+    assert external == [], f"{page.relative_to(ROOT)}: links outside the repository: {external}"
+
+
+def test_the_readmes_status_is_at_most_10_lines():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    status = text.split("**Status:**", 1)[1].split("\n\n", 1)[0]
+    assert len(status.strip().splitlines()) <= 10
+
+
 def test_readme_is_at_most_300_lines():
     lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert lines <= 300, f"README.md has {lines} lines; move detail into docs/"
