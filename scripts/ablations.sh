@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue #40's ablations at 2,048 conversations (docs/paper.md, "Ablations at 2,048 conversations"):
-# one learning-curve point per row, same data, order, seeds and optimizer steps. Hours on a CPU.
-# Every stage resumes where it stopped: rerun the script. Rows already in results.json are kept.
-#   bash scripts/ablations.sh            all rows
-#   bash scripts/ablations.sh 2          the first two rows only
+# Ablations at 2,048 conversations (docs/paper.md): one learning-curve point per row, same data,
+# order, seeds and optimizer steps. Hours on a CPU. Every stage resumes where it stopped: rerun
+# the script. Rows already in results.json are kept.
+#   bash scripts/ablations.sh                  the recipe's rows (docs/paper.md, "Ablations at 2,048 conversations")
+#   bash scripts/ablations.sh 2                their first two rows only
+#   SET=draft-layer bash scripts/ablations.sh  the draft layer's rows ("The draft layer's attention input")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -11,28 +12,42 @@ export PYTHONPATH=$PWD
 # Batch stages on a CPU: vLLM's KV cache is a fraction of the NUMA node; 0.25 holds 4 sequences of
 # the demo target on a 10-GiB node, 0.6 about 50 (4.5x the regeneration throughput, measured).
 export EDSD_CPU_MEMORY_FRACTION=${EDSD_CPU_MEMORY_FRACTION:-0.6}
-OUT=${OUT:-bench/results/learning-curve-ablation-2k-avx2}
-LAYERS=1,20,29  # besides EDSelect's and EAGLE-3's (2, 15, 27): every row's layers, one extraction
 COSINE="--lr-schedule cosine --weight-decay 0"
-ROWS=(
-  "edsd|$COSINE"                              # the paper's recipe: EDSelect's layers, annealed
-  "eagle3|$COSINE"                            # EAGLE-3 with the same optimizer
-  "edsd|--layers 1,20"                        # the shipped recipe and layers
-  "eagle3|"                                   # the shipped EAGLE-3 recipe
-  "edsd|$COSINE --no-step-n"                  # every TTT step from the first epoch
-  "edsd|$COSINE --ttt-steps 7"                # the paper's S_max = 7 over the epochs run: n_t = 1, 4, 7
-  "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream
-  "edsd|$COSINE --no-mask-p"                  # no entropy mask (the paper's Mask-p off)
-  "edsd|$COSINE --fuse-intermediate-size 576" # EDFuse at the target's width (the paper's no-extra-parameters one)
-  "edsd|$COSINE --layers 15,27"               # EAGLE-3's middle and top layers, EDSD's fusion
-  "edsd|--lr 5e-4 $COSINE"
-  "eagle3|--lr 5e-4 $COSINE"
-  "edsd|"                                     # EDSelect's layers, the shipped optimizer
-)
+if [ "${SET:-recipe}" = draft-layer ]; then
+  # The demo recipe (vllm_edsd/demo/pipeline.toml) with one change of EDSD's draft layer per row.
+  OUT=${OUT:-bench/results/learning-curve-draft-layer-2k-avx512}
+  LAYERS=""
+  ROWS=(
+    "edsd|"                                               # the paper's draft layer
+    "edsd|--attention-reads-token"                        # q/k/v read [input_layernorm(u); token_norm(e)]
+    "eagle3|"                                             # EAGLE-3, the same recipe
+    "edsd|--attention-reads-token --feature-norm"         # both
+    "edsd|--feature-norm"                                 # EDFuse's gate on RMSNorm(g)
+    "edsd|--no-step-n"                                    # every TTT step from the first epoch
+  )
+else
+  OUT=${OUT:-bench/results/learning-curve-ablation-2k-avx2}
+  LAYERS=1,20,29  # besides EDSelect's and EAGLE-3's (2, 15, 27): every row's layers, one extraction
+  ROWS=(
+    "edsd|$COSINE"                              # the paper's recipe: EDSelect's layers, annealed
+    "eagle3|$COSINE"                            # EAGLE-3 with the same optimizer
+    "edsd|--layers 1,20"                        # the shipped recipe and layers
+    "eagle3|"                                   # the shipped EAGLE-3 recipe
+    "edsd|$COSINE --no-step-n"                  # every TTT step from the first epoch
+    "edsd|$COSINE --ttt-steps 7"                # the paper's S_max = 7 over the epochs run: n_t = 1, 4, 7
+    "edsd|$COSINE --token-norm layernorm"       # the paper's LayerNorm on the token stream
+    "edsd|$COSINE --no-mask-p"                  # no entropy mask (the paper's Mask-p off)
+    "edsd|$COSINE --fuse-intermediate-size 576" # EDFuse at the target's width (the paper's no-extra-parameters one)
+    "edsd|$COSINE --layers 15,27"               # EAGLE-3's middle and top layers, EDSD's fusion
+    "edsd|--lr 5e-4 $COSINE"
+    "eagle3|--lr 5e-4 $COSINE"
+    "edsd|"                                     # EDSelect's layers, the shipped optimizer
+  )
+fi
 count=${1:-${#ROWS[@]}}
 for row in "${ROWS[@]:0:$count}"; do
   method=${row%%|*} extra=${row#*|}
   echo "== $method ${extra:-(the demo recipe)}  ($(date -u +%H:%M))"
-  .venv/bin/python -m bench learning-curve --sizes 2048 --out "$OUT" --feature-layers "$LAYERS" \
+  .venv/bin/python -m bench learning-curve --sizes 2048 --out "$OUT" ${LAYERS:+--feature-layers "$LAYERS"} \
     --methods "$method" --train-extra="$extra"
 done

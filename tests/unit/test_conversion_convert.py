@@ -292,6 +292,7 @@ def test_bad_input_is_refused(training_ckpt, tmp_path, capsys, case):
         ("other target", "does not fit the target model"),
         ("target without sizes", "config.json: missing field 'hidden_size'"),
         ("fold without target", "--fold-token-norm needs --target"),
+        ("fold a token-reading drafter", "attention also reads the token"),
         ("bad dtype flag", "invalid choice"),
     ],
 )
@@ -314,6 +315,9 @@ def test_bad_files_and_flags(models, training_ckpt, tmp_path, capsys, make, expe
     elif make == "fold without target":
         edited_copy(training_ckpt, src)
         extra = ["--fold-token-norm"]
+    elif make == "fold a token-reading drafter":
+        make_drafter(models["llama"], src, draft_vocab_size=256, layout=EDSD_TRAINING, attention_reads_token=True)
+        extra = ["--target", models["llama"], "--fold-token-norm"]
     elif make == "bad dtype flag":
         edited_copy(training_ckpt, src)
         extra = ["--dtype", "float64"]
