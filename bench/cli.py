@@ -38,13 +38,18 @@ class Suite:
     options: Callable[[argparse.ArgumentParser], None]
 
 
+def models(add, out_help: str, edsd_layouts: str) -> None:
+    """``--out``, the target and one drafter per method, each defaulting to the demo's."""
+    add("--out", required=True, help=out_help)
+    add("--target", help="the target's directory (default: the embedded demo target)")
+    add(f"--{EDSD}", help=f"EDSD drafter directory, {edsd_layouts} (default: the demo's)")
+    add(f"--{EAGLE3}", help="EAGLE-3 drafter directory, vLLM's layout (default: the demo's)")
+
+
 def engine_models(parser: argparse.ArgumentParser) -> None:
     """The engine suites' models and methods."""
     add = parser.add_argument
-    add("--out", required=True, help="output directory")
-    add("--target", help="target model (default: the embedded demo target)")
-    add(f"--{EDSD}", help="EDSD drafter, vLLM layout (default: the demo's)")
-    add(f"--{EAGLE3}", help="EAGLE-3 drafter (default: the demo's)")
+    models(add, "output directory", "vLLM layout")
     add("--methods", default=None,
         help=f"comma-separated: none, ngram (vLLM's prompt lookup, no drafter), suffix (vLLM's suffix decoding, "
              f"needs arctic-inference), {EAGLE3}, {EDSD}, and EDSD served as {EDSD}-adaptive (entropy-adaptive "
@@ -172,10 +177,7 @@ def vocab_coverage_options(parser: argparse.ArgumentParser) -> None:
 
 def copying_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--out", required=True, help="where results.json and report.md go")
-    add("--target", help="the target's directory (default: the embedded demo target)")
-    add(f"--{EDSD}", help="EDSD drafter directory, any EDSD layout (default: the demo's)")
-    add(f"--{EAGLE3}", help="EAGLE-3 drafter directory, vLLM's layout (default: the demo's)")
+    models(add, "where results.json and report.md go", "any EDSD layout")
     add("--steps", type=int, default=4, help="draft steps per chain, K (default 4)")
     held_out_prompt_options(add)
 

@@ -23,7 +23,7 @@ COMMANDS = {
     "features": "vllm_edsd.features.cli",
     "train": "vllm_edsd.training.cli",
     "pipeline": "vllm_edsd.pipeline.cli",
-    "demo": "vllm_edsd.demo",
+    "demo": "vllm_edsd.demo.cli",
     "build-demo": "vllm_edsd.demo.build",
 }
 

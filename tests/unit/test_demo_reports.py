@@ -6,7 +6,7 @@ import json
 
 
 def test_demo_names_its_dtype_and_where_a_reply_differs():
-    from vllm_edsd.demo import DEMO_DTYPE, summary
+    from vllm_edsd.demo.cli import DEMO_DTYPE, summary
     from vllm_edsd.launch.engine import SpecCounters
 
     counters = SpecCounters(drafts=4, draft_tokens=16, accepted=8, accepted_per_pos=[4, 2, 1, 1])

@@ -85,7 +85,7 @@ def test_the_demo_is_never_silent_for_long(capsys):
     a step that fails is not reported done."""
     import time
 
-    from vllm_edsd.demo import heartbeat
+    from vllm_edsd.demo.cli import heartbeat
 
     with heartbeat("edsd: starting vLLM", every=0.05, expect="~1 min"):
         time.sleep(0.23)

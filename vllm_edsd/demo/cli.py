@@ -1,0 +1,214 @@
+"""``edsd demo``: serve the embedded demo target with its EDSD and EAGLE-3 drafters on
+localhost, print what it generates, and measure mean acceptance length and tokens/s with and
+without speculation (batch size 1, greedy)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.methods.registry import EDSD
+
+from . import DEMO_PROMPTS, DRAFTERS, demo_paths
+
+# The `edsd demo` subcommand (vllm_edsd.command).
+name = "demo"
+help = "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show tau and speed-up"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        f"examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods {EDSD}\n  edsd demo --paths"
+    )
+    parser.add_argument("--paths", action="store_true", help="print the demo model directories as JSON and exit")
+    parser.add_argument("--offline", action="store_true", help="use LLM.generate instead of the OpenAI server")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    parser.add_argument("--methods", default=",".join(DRAFTERS),
+                        help=f"drafters to compare with no speculation (default {','.join(DRAFTERS)})")
+
+
+# The demo serves float32 on every CPU: its lossless check compares the drafted run with the
+# target alone, and bf16 kernels (chosen on CPUs with AVX512-BF16 or AMX) round differently
+# for the different batch shapes of verification, which flips near-ties.
+DEMO_DTYPE = "float32"
+
+
+HEARTBEAT_S = 25.0  # the longest the demo stays silent while it works
+ENGINE_START = "~1 min on a CPU, more the first time"
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = HEARTBEAT_S, expect: str = "") -> Iterator[None]:
+    """Say that ``what`` starts (with how long to ``expect``, once), that it is still going every
+    ``every`` seconds, and how long it took: an engine start on a CPU is minutes of vLLM's silence."""
+    print(f"edsd demo: {what}{f' ({expect})' if expect else ''}...", flush=True)
+    done, start = threading.Event(), time.time()
+
+    def tick() -> None:
+        while not done.wait(every):
+            print(f"  ... {what}: {time.time() - start:.0f} s", flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+    print(f"  {what}: done in {time.time() - start:.0f} s", flush=True)
+
+
+def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) -> dict:
+    """One greedy reply: its text and token ids, and with ``top2`` the target's top-2 logit
+    margin at each position (a difference of log-probabilities is one of logits)."""
+    from vllm_edsd.launch.server import post_json
+
+    body = {"model": "demo", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True, **({"logprobs": True, "top_logprobs": 2} if top2 else {})}
+    choice = post_json(f"{base}/v1/chat/completions", body)["choices"][0]
+    reply = {"text": choice["message"]["content"], "token_ids": choice["token_ids"]}
+    if top2:
+        reply["margins"] = [top[0]["logprob"] - top[1]["logprob"]
+                            for top in (entry["top_logprobs"] for entry in choice["logprobs"]["content"])]
+    return reply
+
+
+def _measure_server(name: str, target: str, spec: dict | None, max_tokens: int) -> dict:
+    from vllm_edsd.launch.server import running_server, served_spec_counters
+
+    with contextlib.ExitStack() as stack:
+        with heartbeat(f"{name}: starting vLLM's server", expect=ENGINE_START):
+            base = stack.enter_context(
+                running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE]))
+            _chat_server(base, "Hello!", 8)  # warm-up
+        with heartbeat(f"{name}: {len(DEMO_PROMPTS)} prompts, one at a time"):
+            before = served_spec_counters(base)
+            start = time.time()
+            replies = [_chat_server(base, prompt, max_tokens) for _, prompt in DEMO_PROMPTS]
+            elapsed = time.time() - start
+            counters = served_spec_counters(base) - before
+            margins = ([_chat_server(base, p, max_tokens, top2=True)["margins"] for _, p in DEMO_PROMPTS]
+                       if spec is None else None)
+    return _result(replies, elapsed, counters, margins)
+
+
+def _result(replies: list[dict], elapsed: float, counters, margins: list[list[float]] | None) -> dict:
+    return {"texts": [r["text"] for r in replies], "token_ids": [list(r["token_ids"]) for r in replies],
+            "tokens_per_s": sum(len(r["token_ids"]) for r in replies) / elapsed, "counters": counters,
+            "margins": margins}
+
+
+def _measure_offline(name: str, target: str, spec: dict | None, max_tokens: int) -> dict:
+    from vllm import SamplingParams
+
+    from vllm_edsd.launch.engine import llm_session, spec_counters
+
+    def chat(prompt: str, params: SamplingParams):
+        return llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
+
+    with contextlib.ExitStack() as stack:
+        with heartbeat(f"{name}: starting vLLM's engine", expect=ENGINE_START):
+            llm = stack.enter_context(llm_session(target, spec, dtype=DEMO_DTYPE))
+            chat("Hello!", SamplingParams(max_tokens=8))
+        stack.enter_context(heartbeat(f"{name}: {len(DEMO_PROMPTS)} prompts, one at a time"))
+        before, start = spec_counters(llm), time.time()
+        outputs = [chat(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)) for _, prompt in DEMO_PROMPTS]
+        elapsed = time.time() - start  # one at a time: batch size 1
+        counters = spec_counters(llm) - before
+        margins = None
+        if spec is None:
+            scored = [
+                chat(p, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)) for _, p in DEMO_PROMPTS
+            ]
+            margins = [[_top2_margin([lp.logprob for lp in step.values()]) for step in out.logprobs] for out in scored]
+    return _result([{"text": o.text, "token_ids": o.token_ids} for o in outputs], elapsed, counters, margins)
+
+
+def _top2_margin(logprobs: list[float]) -> float:
+    """Best minus second-best (vLLM may list the sampled token beside the top 2)."""
+    best, second = sorted(logprobs, reverse=True)[:2]
+    return best - second
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_edsd.launch.engine import speculative_config
+    from vllm_edsd.launch.server import sigterm_as_interrupt
+
+    paths = demo_paths()
+    if args.paths:
+        print(json.dumps(paths))
+        return 0
+    if args.k < 1 or args.max_tokens < 1:
+        raise EDSDError(f"--k and --max-tokens must be positive, got {args.k} and {args.max_tokens}")
+    measure = _measure_offline if args.offline else _measure_server
+    how = "offline LLM.generate" if args.offline else "OpenAI-compatible server on 127.0.0.1"
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(DRAFTERS))
+    if unknown or not methods:
+        raise EDSDError(f"--methods: expected {' and/or '.join(DRAFTERS)}, got {args.methods!r}")
+    print(f"target: {paths['target']}\n" + "".join(f"{m} drafter: {paths[m]}\n" for m in methods)
+          + f"serving through {how}, {DEMO_DTYPE}, K={args.k}, greedy, batch size 1; one engine per method "
+          f"(each takes ~1 min to start on a CPU, a few more the first time: torch.compile)\n")
+    with sigterm_as_interrupt():  # a SIGTERM stops the server or engine running, as Ctrl-C does
+        results = {"none": measure("none", paths["target"], None, args.max_tokens)}
+        for method in methods:
+            results[method] = measure(
+                method, paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
+            )
+    shown = EDSD if EDSD in results else methods[0]
+    for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
+        print(f"--- [{kind}] {prompt}\n{text.strip()}\n")
+    print(summary(results, args.k))
+    return 0
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token sequences differ (one ending early counts), or None."""
+    for position, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return position
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def differences(results: dict[str, dict]) -> list[str]:
+    """One line per reply that differs from the target's: where, and how close the target's
+    own choice was there (a top-2 logit margin near 0 is a tie that rounding can break)."""
+    plain, lines = results["none"], []
+    margins = plain.get("margins") or [[] for _ in plain["token_ids"]]
+    for method, r in results.items():
+        for i, (ids, reference) in enumerate(zip(r["token_ids"], plain["token_ids"])):
+            position = None if method == "none" else first_difference(ids, reference)
+            if position is None:
+                continue
+            margin = f"{margins[i][position]:.4f}" if position < len(margins[i]) else "-"
+            lines.append(f"{method}: prompt {i + 1} differs from the target alone first at token {position}; "
+                         f"the target's top-2 logit margin there is {margin}")
+    return lines
+
+
+def summary(results: dict[str, dict], k: int) -> str:
+    """One table: tau, acceptance per position, tokens/s and speed-up against no speculation,
+    and where a reply differs from the target's, why."""
+    plain = results["none"]
+    rows = [f"{'method':<8}{'tau':>6}  {'acceptance per position':<26}{'tokens/s':>9}{'speed-up':>10}  same text"]
+    for method, r in results.items():
+        c = r.get("counters")
+        tau = "-" if method == "none" else f"{c.mean_acceptance_length:.2f}"
+        per_pos = "-" if method == "none" else " ".join(f"{a:.2f}" for a in c.acceptance_per_position)
+        if method == "none":
+            same = "-"
+        else:
+            equal = sum(first_difference(a, b) is None for a, b in zip(r["token_ids"], plain["token_ids"]))
+            same = f"{equal}/{len(DEMO_PROMPTS)}"
+        rows.append(f"{method:<8}{tau:>6}  {per_pos:<26}{r['tokens_per_s']:>9.1f}"
+                    f"{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}x  {same}")
+    rule = "=" * len(rows[0])
+    note = (f"{DEMO_DTYPE}, K={k}, temperature 0, batch size 1, {len(DEMO_PROMPTS)} prompts (chat and code) not seen "
+            "in training. 'same text': token ids identical\nto the target alone.")
+    return "\n".join([rule, *rows, rule, note, *differences(results)])
