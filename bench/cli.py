@@ -53,10 +53,10 @@ def engine_models(parser: argparse.ArgumentParser) -> None:
     add("--methods", default=None,
         help=f"comma-separated: none, ngram (vLLM's prompt lookup, no drafter), suffix (vLLM's suffix decoding, "
              f"needs arctic-inference), {EAGLE3}, {EDSD}, and EDSD served as {EDSD}-adaptive (entropy-adaptive "
-             f"draft length), {EDSD}-batch-table (vLLM's K-by-batch-size table), {EDSD}+lookup (prompt lookup "
-             f"beside the drafter), {EDSD}-k1+lookup (the same, the drafter drafting one token where the lookup "
-             f"drafts up to K) or {EDSD}-adaptive+lookup (both) (default {DEFAULT_METHODS}; draft-cost: "
-             f"{','.join(DRAFT_COST_METHODS)}, all it takes)")
+             f"draft length), {EDSD}-batch-table (vLLM's K-by-batch-size table), {EDSD}+lookup and {EAGLE3}+lookup "
+             f"(prompt lookup beside the drafter), {EDSD}-k1+lookup and {EAGLE3}-k1+lookup (the same, the drafter "
+             f"drafting one token where the lookup drafts up to K) or {EDSD}-adaptive+lookup (both) "
+             f"(default {DEFAULT_METHODS}; draft-cost: {','.join(DRAFT_COST_METHODS)}, all it takes)")
     add("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
         help=f"{EDSD}-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")
     add("--k", default="4", help="num_speculative_tokens, comma-separated (default 4)")

@@ -35,15 +35,17 @@ def _adaptive(k: int, threshold: float) -> dict:
 # method, speculative-config fields from K and the adaptive threshold). The batch table is
 # vLLM's own K-by-batch-size table (``num_speculative_tokens_per_batch_size``), set from the
 # static K figures of this CPU: K up to batch 4, K/2 to 16, 1 above. ``+lookup`` drafts by
-# prompt lookup where it matches and by the EDSD drafter elsewhere (docs/serving.md, "Prompt
-# lookup beside the drafter"); ``-k1+lookup`` lets the drafter draft one token there (the
-# lookup up to K); ``-adaptive+lookup`` cuts the drafter's drafts by its entropy there too.
+# prompt lookup where it matches and by the drafter elsewhere, EDSD's or EAGLE-3's
+# (docs/serving.md, "Prompt lookup beside the drafter"); ``-k1+lookup`` lets the drafter draft
+# one token there (the lookup up to K); ``-adaptive+lookup`` cuts EDSD's drafts by its entropy there too.
 VARIANTS = {
     f"{EDSD}-adaptive": (EDSD, _adaptive),
     BATCH_TABLE: (EDSD, lambda k, threshold: {
         "num_speculative_tokens_per_batch_size": [[1, 4, k], [5, 16, max(1, k // 2)], [17, 17, 1]]}),
-    f"{EDSD}+lookup": (EDSD, lambda k, threshold: dict(NGRAM_LENGTHS)),
-    f"{EDSD}-k1+lookup": (EDSD, lambda k, threshold: {"num_drafter_tokens": 1, **NGRAM_LENGTHS}),
+    **{name: variant for method in (EDSD, EAGLE3) for name, variant in {
+        f"{method}+lookup": (method, lambda k, threshold: dict(NGRAM_LENGTHS)),
+        f"{method}-k1+lookup": (method, lambda k, threshold: {"num_drafter_tokens": 1, **NGRAM_LENGTHS}),
+    }.items()},
     f"{EDSD}-adaptive+lookup": (EDSD, lambda k, threshold: {**_adaptive(k, threshold), **NGRAM_LENGTHS}),
 }
 

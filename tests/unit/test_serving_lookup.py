@@ -234,3 +234,16 @@ def test_the_bench_serves_edsd_with_lookup_as_the_ngram_baselines_lengths():
     config = method_config(setup, "edsd+lookup", 4)
     assert config == {"method": "edsd", "model": "d", "num_speculative_tokens": 4, **TRAINING_FREE["ngram"]}
     assert config["prompt_lookup_min"] == 2 and config["prompt_lookup_max"] == 4
+
+
+@pytest.mark.parametrize("method", ["edsd", "eagle3"])
+def test_the_bench_serves_either_drafter_with_lookup_and_at_one_token(method):
+    """``METHOD+lookup`` and ``METHOD-k1+lookup`` for both drafters: the race of the two methods
+    beside the lookup, the drafter drafting up to K and one token where the lookup does not match."""
+    from bench.offline import TRAINING_FREE, Setup, method_config
+
+    setup = Setup(target="t", drafters={method: "d"}, methods=[f"{method}+lookup", f"{method}-k1+lookup"], ks=[4],
+                  prompts_per_category=1, max_tokens=8, batch_sizes=[1])
+    base = {"method": method, "model": "d", "num_speculative_tokens": 4, **TRAINING_FREE["ngram"]}
+    assert method_config(setup, f"{method}+lookup", 4) == base
+    assert method_config(setup, f"{method}-k1+lookup", 4) == {**base, "num_drafter_tokens": 1}
