@@ -27,7 +27,7 @@ def coverage_table(target: str, conversations: list, train_counts: list[int], he
 
     from vllm_edsd.checkpoint.target import read_config_json
     from vllm_edsd.features.shards import tokenize_conversations
-    from vllm_edsd.training.vocab import answer_token_counts, build_vocab_mapping, coverage
+    from vllm_edsd.training.draft_vocab import answer_token_counts, build_vocab_mapping, coverage
 
     if held_out < 1 or held_out >= len(conversations):
         raise EDSDError(f"--held-out must leave conversations to train on: {held_out} of {len(conversations)}")

@@ -11,7 +11,7 @@ import torch
 from support.toy import make_target, toy_corpus
 
 from bench.cli import main
-from vllm_edsd.training.vocab import build_vocab_mapping, coverage
+from vllm_edsd.training.draft_vocab import build_vocab_mapping, coverage
 
 
 def test_coverage_counts_the_tokens_a_vocabulary_holds():

@@ -14,10 +14,10 @@ from vllm_edsd.features.hidden_states import token_entropy
 from vllm_edsd.methods.blocks import KeyValueSteps
 from vllm_edsd.methods.edsd.config import EDSDConfig
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
+from vllm_edsd.training.curriculum import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
+from vllm_edsd.training.draft_vocab import build_vocab_mapping
 from vllm_edsd.training.loss import ttt_loss
 from vllm_edsd.training.recipe import Recipe
-from vllm_edsd.training.schedule import BATCH, PAPER, SAMPLE, SPECFORGE, entropy_mask
-from vllm_edsd.training.vocab import build_vocab_mapping
 
 
 def test_paper_reading_is_eqs_5_and_6():

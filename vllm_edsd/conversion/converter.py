@@ -35,7 +35,7 @@ from vllm_edsd.checkpoint.files import (
 )
 from vllm_edsd.checkpoint.layouts import ROPE_CACHES, Layout
 from vllm_edsd.checkpoint.target import LAYER_ID_CONVENTIONS, TargetFingerprint, read_config_json, text_config
-from vllm_edsd.checkpoint.vocab import check_vocab_mapping
+from vllm_edsd.checkpoint.vocab_map import check_vocab_mapping
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods import EDSD_METHOD, detect_layout
 from vllm_edsd.methods.blocks import DTYPES

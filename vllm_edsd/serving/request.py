@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_edsd.checkpoint.files import tensor_shapes
 from vllm_edsd.checkpoint.target import TargetFingerprint, read_config_json
-from vllm_edsd.checkpoint.vocab import check_checkpoint_vocab_mapping
+from vllm_edsd.checkpoint.vocab_map import check_checkpoint_vocab_mapping
 from vllm_edsd.errors import EDSDError, positive_int
 from vllm_edsd.methods import EAGLE3_METHOD, EDSD_METHOD, detect_layout
 from vllm_edsd.methods.edsd.config import EDSDConfig

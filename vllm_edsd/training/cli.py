@@ -21,10 +21,10 @@ from vllm_edsd.features.samples import add_data_arguments, layer_ids
 from vllm_edsd.methods import METHODS
 from vllm_edsd.methods.edsd.config import TOKEN_NORMS
 
+from .curriculum import READINGS
 from .distributed import DATA_PARALLEL
 from .options import TrainOptions
 from .recipe import LR_SCHEDULES
-from .schedule import READINGS
 from .stage import run as train
 
 EPILOG = """\

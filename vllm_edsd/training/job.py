@@ -23,10 +23,10 @@ from vllm_edsd.launch.transformers_target import load_target
 from vllm_edsd.methods import method
 
 from .distributed import SINGLE, World
+from .draft_vocab import answer_token_counts, build_vocab_mapping
 from .drafter import build_model, resolve_layers
 from .options import TrainOptions
 from .recipe import Recipe
-from .vocab import answer_token_counts, build_vocab_mapping
 
 
 def check_numbers(options: TrainOptions, vocab: int) -> None:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from vllm_edsd.features.hidden_states import token_entropy
 from vllm_edsd.methods.blocks import KeyValueSteps
 
+from .curriculum import DRAFT_VOCAB, READINGS, entropy_mask
 from .distributed import SINGLE, World
-from .schedule import DRAFT_VOCAB, READINGS, entropy_mask
 
 STEP_WEIGHT = 0.8
 

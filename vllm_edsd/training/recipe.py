@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from vllm_edsd.methods.registry import EDSD
 
-from .schedule import READINGS
+from .curriculum import READINGS
 
 LR_SCHEDULES = ("cosine", "constant")
 
