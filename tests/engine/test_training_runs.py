@@ -140,7 +140,7 @@ def test_resume_never_unpickles_code(models, chat_data, tmp_path, capsys, conten
 
 def test_bad_training_arguments(models, chat_data, tmp_path, capsys):
     assert train(models, chat_data, tmp_path / "x") == 2
-    assert "needs its two aux layers" in capsys.readouterr().err
+    assert "EDSD needs its 2 aux layers" in capsys.readouterr().err
     # Both once meant --layers-from, silently: an ablation's --layers was ignored.
     with pytest.raises(SystemExit) as refused:
         train(models, chat_data, tmp_path / "x", "--layers", "1,3", "--layers-from", tmp_path / "layers.json")
