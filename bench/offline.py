@@ -42,10 +42,9 @@ VARIANTS = {
     f"{EDSD}-adaptive": (EDSD, _adaptive),
     BATCH_TABLE: (EDSD, lambda k, threshold: {
         "num_speculative_tokens_per_batch_size": [[1, 4, k], [5, 16, max(1, k // 2)], [17, 17, 1]]}),
-    **{name: variant for method in (EDSD, EAGLE3) for name, variant in {
-        f"{method}+lookup": (method, lambda k, threshold: dict(NGRAM_LENGTHS)),
-        f"{method}-k1+lookup": (method, lambda k, threshold: {"num_drafter_tokens": 1, **NGRAM_LENGTHS}),
-    }.items()},
+    **{f"{method}+lookup": (method, lambda k, threshold: dict(NGRAM_LENGTHS)) for method in (EDSD, EAGLE3)},
+    **{f"{method}-k1+lookup": (method, lambda k, threshold: {"num_drafter_tokens": 1, **NGRAM_LENGTHS})
+       for method in (EDSD, EAGLE3)},
     f"{EDSD}-adaptive+lookup": (EDSD, lambda k, threshold: {**_adaptive(k, threshold), **NGRAM_LENGTHS}),
 }
 

@@ -315,12 +315,6 @@ def _shared_embedding(own: torch.Tensor | None, target_table: torch.Tensor | Non
 def _folded_embedding(target_table: torch.Tensor, tensors: dict[str, torch.Tensor], cfg: EDSDConfig,
                       target: str | Path) -> EDSDConfig:
     """Put the folded table (token norm of the target's embedding) into ``tensors``; the config says so."""
-    if cfg.attention_reads_token:
-        raise EDSDError(
-            "--fold-token-norm: this drafter's attention also reads the token through its own norm of the "
-            "raw embedding (edsd_config.attention_reads_token), which a folded table would change; "
-            "convert it without --fold-token-norm"
-        )
     if tuple(target_table.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise EDSDError(
             f"{target}: embedding table has shape {list(target_table.shape)}, "
@@ -368,6 +362,12 @@ def convert(
     _check_destination(dst, force)
     checkpoint = SourceCheckpoint.read(src, layer_id_convention)
     cfg, fingerprint, target_raw = checkpoint.cfg, None, None
+    if fold_token_norm and cfg.attention_reads_token:  # refused before any tensor is read
+        raise EDSDError(
+            "--fold-token-norm: this drafter's attention also reads the token through its own norm of the "
+            "raw embedding (edsd_config.attention_reads_token), which a folded table would change; "
+            "convert it without --fold-token-norm"
+        )
     if target is not None:
         target_raw = read_config_json(target)
         fingerprint = _target_fingerprint(target_raw, target)
