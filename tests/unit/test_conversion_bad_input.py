@@ -132,6 +132,8 @@ def _deep(depth: int) -> str:
     (lambda c: c.update(rms_norm_eps=float("inf")), "field 'rms_norm_eps' must be below 2**31"),
     (lambda c: c.update(rms_norm_eps=float("nan")), "field 'rms_norm_eps' must be a positive number, got nan"),
     (lambda c: c.update(intermediate_size=2**40), "field 'intermediate_size' must be below 2**31"),
+    (lambda c: c["edsd_config"].update(token_norm_folded=True, attention_reads_token=True),
+     "edsd_config has both token_norm_folded and attention_reads_token"),
 ])
 def test_malformed_config_fields_are_one_line(training_ckpt, tmp_path, capsys, edit, expected):
     src = edited_copy(training_ckpt, tmp_path / "src", edit_config=edit)

@@ -186,7 +186,15 @@ class EDSDConfig(DraftConfig):
         ``layer_id_convention`` overrides the convention recorded in the file (the
         converter's ``--layer-id-convention``); the result always holds vLLM ids.
         """
-        return super().from_dict(raw, source=source, layer_id_convention=layer_id_convention)
+        cfg = super().from_dict(raw, source=source, layer_id_convention=layer_id_convention)
+        if cfg.token_norm_folded and cfg.attention_reads_token:
+            raise EDSDError(
+                f"{source}: edsd_config has both token_norm_folded and attention_reads_token; the "
+                "token-reading draft layer's norm reads the raw embedding, which a folded table "
+                "replaces, so no converter writes this pair: re-convert the training checkpoint "
+                "without --fold-token-norm"
+            )
+        return cfg
 
     @classmethod
     def check_file(cls, raw: Any, source: str) -> None:
