@@ -16,7 +16,7 @@ COSINE="--lr-schedule cosine --weight-decay 0"
 if [ "${SET:-recipe}" = draft-layer ]; then
   # The demo recipe (vllm_edsd/demo/pipeline.toml) with one change of EDSD's draft layer per row.
   OUT=${OUT:-bench/results/learning-curve-draft-layer-2k-avx512}
-  LAYERS=""
+  LAYERS=1,20,29  # the recipe rows' extraction (a superset of these rows' layers): one feature cache for both sets
   ROWS=(
     "edsd|"                                               # the paper's draft layer
     "edsd|--attention-reads-token"                        # q/k/v read [input_layernorm(u); token_norm(e)]
