@@ -40,7 +40,13 @@ from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods import EDSD_METHOD, detect_layout
 from vllm_edsd.methods.blocks import DTYPES
 from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT
-from vllm_edsd.methods.edsd.config import DEFAULT_SPECULATIVE_TOKENS, EDSDConfig, Speculators, check_speculative_tokens
+from vllm_edsd.methods.edsd.config import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    FOLD_CONFLICT,
+    EDSDConfig,
+    Speculators,
+    check_speculative_tokens,
+)
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.methods.edsd.model import check_tensors, token_norm
 from vllm_edsd.version import __version__
@@ -363,11 +369,7 @@ def convert(
     checkpoint = SourceCheckpoint.read(src, layer_id_convention)
     cfg, fingerprint, target_raw = checkpoint.cfg, None, None
     if fold_token_norm and cfg.attention_reads_token:  # refused before any tensor is read
-        raise EDSDError(
-            "--fold-token-norm: this drafter's attention also reads the token through its own norm of the "
-            "raw embedding (edsd_config.attention_reads_token), which a folded table would change; "
-            "convert it without --fold-token-norm"
-        )
+        raise EDSDError(f"--fold-token-norm: {FOLD_CONFLICT}; convert it without --fold-token-norm")
     if target is not None:
         target_raw = read_config_json(target)
         fingerprint = _target_fingerprint(target_raw, target)

@@ -27,6 +27,9 @@ TOKEN_NORMS = (RMSNORM, LAYERNORM)
 # A config written before the field existed had the LayerNorm.
 LEGACY_TOKEN_NORM = LAYERNORM
 SWITCHES = ("attention_reads_token", "feature_norm")  # the draft layer's changes beyond the paper
+# Why a token-reading drafter is never folded (edsd convert and the config check say it alike).
+FOLD_CONFLICT = ("this drafter's attention also reads the token through its own norm of the raw embedding "
+                 "(edsd_config.attention_reads_token), which a folded table would change")
 PROVENANCE = ("converter", "source")  # what the converter records of how it made the drafter
 
 # The speculators format (docs/formats.md, "Speculators format"): vLLM takes a drafter
@@ -189,10 +192,9 @@ class EDSDConfig(DraftConfig):
         cfg = super().from_dict(raw, source=source, layer_id_convention=layer_id_convention)
         if cfg.token_norm_folded and cfg.attention_reads_token:
             raise EDSDError(
-                f"{source}: edsd_config has both token_norm_folded and attention_reads_token; the "
-                "token-reading draft layer's norm reads the raw embedding, which a folded table "
-                "replaces, so no converter writes this pair: re-convert the training checkpoint "
-                "without --fold-token-norm"
+                f"{source}: edsd_config has both token_norm_folded and attention_reads_token; "
+                f"{FOLD_CONFLICT}, so no converter writes this pair: re-convert the training "
+                "checkpoint without --fold-token-norm"
             )
         return cfg
 
