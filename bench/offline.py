@@ -103,6 +103,7 @@ class Setup:
     # the same texts.
     dtype: str | None = None
     seed: int = 0  # the offline engines' sampling seed: T>0 rows are one draw of their texts per seed
+    eager: bool = False  # engines and servers without torch.compile (--eager, --quick)
     runs: list[dict] = field(default_factory=list)
 
     def methods_with_k(self) -> list[tuple[str, int]]:
@@ -128,7 +129,7 @@ def engine(setup: Setup, method: str, k: int):
     """The engine for (method, K); sampled drafts at temperature > 0 (vLLM still drafts
     greedily for greedy requests)."""
     return llm_session(setup.target, method_config(setup, method, k, draft_sample_method="probabilistic"),
-                       seed=setup.seed, **({"dtype": setup.dtype} if setup.dtype else {}))
+                       seed=setup.seed, enforce_eager=setup.eager, **({"dtype": setup.dtype} if setup.dtype else {}))
 
 
 def sequence_tau(output_tokens: int, accepted: int) -> float | None:

@@ -178,7 +178,8 @@ def _header(results: dict) -> str:
     runs, m, config = results["runs"], results["machine"], results["config"]
     return (
         f"# Benchmark report\n\nmachine: {m['processor']} ({m['cores']} cores; {m.get('cpu_instruction_set', '?')}), "
-        f"accelerator: {m['accelerator']}; {_engines_dtype(runs, m)}; "
+        f"accelerator: {m['accelerator']}; {_engines_dtype(runs, m)}"
+        f"{'; engines eager (no torch.compile)' if config.get('eager') else ''}; "
         f"vLLM {m['vllm']}, torch {m['torch']}, vllm-edsd {m['vllm_edsd']}{_load(m)}\n\n"
         f"target: `{config['target']}`; "
         f"drafters: "

@@ -106,7 +106,8 @@ def time_batches(llm, prompts: list[list[dict]], batch_sizes: list[int], max_tok
 
 def measure(args: argparse.Namespace, prompts: list[list[dict]], label: str | int,
             ranges: list[list[int]] | None = None) -> list[dict]:
-    engine_kwargs = {"max_num_seqs": max(args.batch_sizes)} | ({"dtype": args.dtype} if args.dtype else {})
+    engine_kwargs = ({"max_num_seqs": max(args.batch_sizes), "enforce_eager": args.eager}
+                     | ({"dtype": args.dtype} if args.dtype else {}))
     extra_args = {REQUEST_KEY: 0} if label == OPTED_OUT else None
     with llm_session(args.target, engine_config(args, label, ranges), **engine_kwargs) as llm:
         timed = time_batches(llm, prompts, args.batch_sizes, args.max_tokens, extra_args)
@@ -129,7 +130,8 @@ def render(results: dict) -> str:
     lines = [f"# K by batch size: {results['method']} on {results['target']}", "",
              f"Command: `{results['command']}`  ",
              f"Machine: {describe(machine)}; "
-             f"dtype {runs[0]['dtype'] if runs else '?'}; T=0, {results['max_tokens']} tokens per reply.", "",
+             f"dtype {runs[0]['dtype'] if runs else '?'}{'; engines eager' if results.get('eager') else ''}; "
+             f"T=0, {results['max_tokens']} tokens per reply.", "",
              "Output tokens/s; in brackets, against none.", "",
              "| batch | " + " | ".join(names[label] for label in labels) + " |",
              "|---" * (len(labels) + 1) + "|"]
@@ -147,7 +149,7 @@ def checked(args: argparse.Namespace) -> argparse.Namespace:
     """The arguments with --quick's sizes applied and the batch sizes read; a count below 1 is
     refused in one line naming its flag."""
     if args.quick:
-        args.batch_sizes, args.max_k, args.max_tokens = "1,4", min(args.max_k, 2), 16
+        args.batch_sizes, args.max_k, args.max_tokens, args.eager = "1,4", min(args.max_k, 2), 16, True
     args.batch_sizes = sorted(set(numbers("--batch-sizes", args.batch_sizes, int, 1)))
     for flag in ("max_k", "max_tokens", "max_batch"):
         if getattr(args, flag) < 1:
@@ -163,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prompts = [c for category in CATEGORIES for c in load_prompts(category, 4)]
     results = {"machine": machine(), "method": args.method, "target": args.target, "drafter": args.drafter,
-               "max_tokens": args.max_tokens, "command": args.command, "runs": [], "schedule": None}
+               "max_tokens": args.max_tokens, "command": args.command, "eager": args.eager, "runs": [],
+               "schedule": None}
 
     def record(label: str | int, ranges: list[list[int]] | None = None) -> None:
         results["runs"] += measure(args, prompts, label, ranges)

@@ -109,7 +109,7 @@ def build_setup(args: argparse.Namespace) -> Setup:
         temperatures=temperatures or [0.0], acceptance_temperatures=temperatures or [0.0, 1.0],
         adaptive_threshold=args.adaptive_threshold,
         mixed_batch=args.mixed_batch or (4 if quick else 16), ignore_eos=not args.stop_at_eos,
-        categories=categories, dtype=args.dtype, seed=args.seed,
+        categories=categories, dtype=args.dtype, seed=args.seed, eager=args.eager or quick,
     )
 
 
@@ -170,7 +170,8 @@ def write_results(out: Path, setup: Setup, args: argparse.Namespace, runs: list[
     results = {"machine": machine(),
                "config": {"target": setup.target, "drafters": setup.drafters, "methods": setup.methods,
                           "ks": setup.ks, "ignore_eos": setup.ignore_eos,
-                          "categories": list(setup.categories), "quick": args.quick, "command": args.command},
+                          "categories": list(setup.categories), "quick": args.quick, "eager": setup.eager,
+                          "command": args.command},
                "runs": runs, "failed_suites": failed}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "report.md").write_text(render(results))

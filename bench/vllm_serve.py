@@ -76,7 +76,8 @@ def measure(args: argparse.Namespace, dataset: Path, label: str, spec: dict | No
 
     out = Path(args.out)
     name = re.sub(r"[^\w.=-]+", "_", f"{label}-{dtype}")  # a file name without spaces
-    with running_server(args.target, spec, extra_args=["--dtype", dtype], log_path=out / f"server-{name}.log") as base:
+    extra_args = ["--dtype", dtype] + (["--enforce-eager"] if args.eager else [])
+    with running_server(args.target, spec, extra_args=extra_args, log_path=out / f"server-{name}.log") as base:
         before = served_spec_counters(base)
         result = out / f"client-{name}.json"
         client = subprocess.run(client_command(base, args.target, dataset, args, result),
@@ -106,7 +107,7 @@ def render(results: dict) -> str:
     default_none = next((r["output_throughput"] for r in rows if r["label"] == NONE), None)
     lines = ["# `vllm bench serve` at the server's defaults", "",
              f"Command: `{results['command']}`  ",
-             f"Machine: {describe(machine)}.  ",
+             f"Machine: {describe(machine)}{'; servers eager (--enforce-eager)' if results.get('eager') else ''}.  ",
              f"Client: `vllm bench serve`, openai-chat, {results['num_prompts']} held-out ShareGPT prompts, "
              f"{results['output_len']} tokens each at most, one request at a time, the server's sampling.", "",
              "| server | dtype asked (served) | output tok/s | against none, same dtype | against none, first dtype "
@@ -171,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     dataset = out / "sharegpt-held-out.json"
     dataset.write_text(json.dumps(records, indent=1) + "\n")
     results = {"machine": machine(), "target": args.target, "num_prompts": args.num_prompts,
-               "output_len": args.output_len, "command": args.command, "speculative_configs": configs, "runs": []}
+               "output_len": args.output_len, "command": args.command, "eager": args.eager,
+               "speculative_configs": configs, "runs": []}
     servers = [(label, spec, dtype) for dtype in args.dtypes for label, spec in ((NONE, None), *configs.items())]
     # A server that cannot start raises EDSDError: what was measured stays in results.json.
     for label, spec, dtype in tqdm(servers, desc="bench serve", unit="server"):

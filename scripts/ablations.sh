@@ -5,6 +5,8 @@
 #   bash scripts/ablations.sh                  the recipe's rows (docs/paper.md, "Ablations at 2,048 conversations")
 #   bash scripts/ablations.sh 2                their first two rows only
 #   SET=draft-layer bash scripts/ablations.sh  the draft layer's rows ("The draft layer's attention input")
+#   SET=draft-layer-10k bash scripts/ablations.sh  the token-reading layer against EAGLE-3 on all
+#                                              10,043 conversations (days on a 2-core CPU; resumes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD
@@ -13,7 +15,18 @@ export PYTHONPATH=$PWD
 # the demo target on a 10-GiB node, 0.6 about 50 (4.5x the regeneration throughput, measured).
 export EDSD_CPU_MEMORY_FRACTION=${EDSD_CPU_MEMORY_FRACTION:-0.6}
 COSINE="--lr-schedule cosine --weight-decay 0"
-if [ "${SET:-recipe}" = draft-layer ]; then
+DATA=(--sizes 2048)
+if [ "${SET:-recipe}" = draft-layer-10k ]; then
+  # Every usable ShareGPT conversation of the PyPI wheel (learning-curve-10k's data), the demo recipe.
+  OUT=${OUT:-bench/results/learning-curve-draft-layer-10k-avx2}
+  DATA=(--chat-prompts 8070 --code-prompts 1973 --sizes 10043)
+  LAYERS=1,20,29
+  ROWS=(
+    "edsd|--attention-reads-token"                        # q/k/v read [input_layernorm(u); token_norm(e)]
+    "eagle3|"                                             # EAGLE-3, the same recipe, data, order and steps
+    "edsd|"                                               # the paper's draft layer
+  )
+elif [ "${SET:-recipe}" = draft-layer ]; then
   # The demo recipe (vllm_edsd/demo/pipeline.toml) with one change of EDSD's draft layer per row.
   OUT=${OUT:-bench/results/learning-curve-draft-layer-2k-avx512}
   LAYERS=1,20,29  # the recipe rows' extraction (a superset of these rows' layers): one feature cache for both sets
@@ -48,6 +61,6 @@ count=${1:-${#ROWS[@]}}
 for row in "${ROWS[@]:0:$count}"; do
   method=${row%%|*} extra=${row#*|}
   echo "== $method ${extra:-(the demo recipe)}  ($(date -u +%H:%M))"
-  .venv/bin/python -m bench learning-curve --sizes 2048 --out "$OUT" ${LAYERS:+--feature-layers "$LAYERS"} \
+  .venv/bin/python -m bench learning-curve "${DATA[@]}" --out "$OUT" ${LAYERS:+--feature-layers "$LAYERS"} \
     --methods "$method" --train-extra="$extra"
 done

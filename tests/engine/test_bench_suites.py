@@ -43,6 +43,8 @@ def test_all_suites_and_methods_present(bench_run):
         "summarization",
     }
     assert set(results["machine"]) >= {"processor", "cores", "vllm", "torch", "vllm_edsd"}
+    assert results["config"]["eager"] is True  # --quick's engines and servers skip torch.compile
+    assert "engines eager (no torch.compile)" in (bench_run / "report.md").read_text()
 
 
 def test_speedups_are_ratios_within_the_run(bench_run):
@@ -157,10 +159,11 @@ def test_schedule_is_measured_then_served(models, tmp_path):
 def test_serve_times_vllms_own_client_against_servers_as_users_start_them(tmp_path):
     """``bench serve`` on the embedded demo pair: ``vllm bench serve`` answers every held-out
     prompt from the server without speculation and from the EDSD server, which drafts, and whose
-    log says the plugin chose sampled drafts (the config leaves ``draft_sample_method`` out)."""
+    log says the plugin chose sampled drafts (the config leaves ``draft_sample_method`` out); with
+    ``--eager`` both servers start without torch.compile, and the report says so."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "bench", "serve", "--out", str(out), "--num-prompts", "2", "--output-len", "8",
-           "--dtypes", "float32"]
+           "--dtypes", "float32", "--eager"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
@@ -172,18 +175,20 @@ def test_serve_times_vllms_own_client_against_servers_as_users_start_them(tmp_pa
     assert rows["none"]["counters"]["drafts"] == 0 < rows["edsd K=4"]["counters"]["drafts"]
     log = (out / "server-edsd_K=4-float32.log").read_text()
     assert "\"draft_sample_method\": 'probabilistic', as it was not set" in log
-    assert "| edsd K=4 | float32 (float32) |" in (out / "report.md").read_text()
+    assert "enforce_eager=True" in log
+    report = (out / "report.md").read_text()
+    assert "| edsd K=4 | float32 (float32) |" in report and "servers eager (--enforce-eager)" in report
 
 
 def test_stop_at_eos_ends_replies_where_the_model_ends_its_answer(tmp_path):
     """``--stop-at-eos`` on the embedded demo target (a real chat model, which ends its answers):
-    the acceptance suite of two ``--categories`` in float32 (``--dtype``), and at least one reply
+    the acceptance suite of two ``--categories`` in float32 (``--dtype``), eager, and at least one reply
     ends before --max-tokens, which ignore_eos (the default, every reply exactly --max-tokens)
     never does. Prompt lookup's greedy replies are the target's own, as the report says."""
     out, max_tokens = tmp_path / "out", 192
     cmd = [sys.executable, "-m", "bench", "acceptance", "--stop-at-eos", "--out", str(out), "--methods", "none,ngram",
            "--categories", "chat,math", "--prompts-per-category", "1", "--max-tokens", str(max_tokens),
-           "--dtype", "float32"]
+           "--dtype", "float32", "--eager"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())

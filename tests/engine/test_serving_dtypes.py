@@ -118,6 +118,10 @@ def test_shipped_edsd_in_float16_from_a_specforge_checkpoint_accepts_as_in_float
 
 
 # The paper's draft layer in every dtype; the one whose attention also reads the token in float16.
+# In bfloat16 on an Intel Xeon with AMX this toy's engine died by SIGILL after its warm-up, where
+# the demo pair passed (docs/known-issues.md, "a toy model in bfloat16 died by SIGILL"): only that
+# death is expected, with the Python frames the engine died in as its reason.
+AMX_SIGILL = "vLLM's bfloat16 kernels on an AMX CPU died by SIGILL on this toy's shapes: "
 MASSIVE_CASES = [(dtype, "drafter") for dtype in DTYPES] + [("float16", "reads-token")]
 
 
@@ -131,7 +135,12 @@ def test_drafts_beside_a_massive_first_token_activation(massive_activation, engi
            "speculative_config": edsd_spec(massive_activation[drafter], CAPPED_K),
            "llm_kwargs": {"enforce_eager": True, "dtype": dtype},
            "phases": [greedy_phase(prompts=PROMPTS, max_tokens=24, record_proposals=True)]}
-    phase = engine_runs(f"massive-activation-{dtype}-{drafter}", job)["phases"]["greedy"]
+    try:
+        phase = engine_runs(f"massive-activation-{dtype}-{drafter}", job)["phases"]["greedy"]
+    except pytest.fail.Exception as failure:
+        if dtype == "bfloat16" and torch.cpu._is_amx_tile_supported() and "(exit -4)" in str(failure):
+            pytest.xfail(AMX_SIGILL + str(failure)[str(failure).find("Fatal Python error"):][:1500])
+        raise
     chains_for = reference_chains(massive_activation["target"], massive_activation[drafter], k=CAPPED_K)
     same, total = draft_agreement(PROMPTS, phase, chains_for)
     assert total >= 8 * 10 * CAPPED_K

@@ -15,6 +15,7 @@ Usage: python engine_job.py JOB.json OUT.json
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -193,4 +194,7 @@ def main(job_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    # An engine killed by a signal (SIGSEGV, SIGILL) writes the Python frames it died in to its
+    # log, which the failing test prints.
+    faulthandler.enable()
     main(sys.argv[1], sys.argv[2])
