@@ -146,14 +146,15 @@ def warm_up(base: str) -> None:
 def latency(setup: Setup, rates: list[float], num_requests: int, max_users: int) -> list[dict]:
     """Latency rows per (method, K) and request rate, all methods on the same seeded arrivals."""
     prompts, dtype = prompt_pool(setup), setup.dtype or default_dtype()
-    server_args = ["--served-model-name", "bench", "--dtype", dtype, *(["--enforce-eager"] if setup.eager else [])]
+    server_args = ["--served-model-name", "bench", "--dtype", dtype]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for method, k in tqdm(setup.methods_with_k(), desc="latency", unit="server"):
             workdir = Path(tmp) / f"{method}-k{k}"
             workdir.mkdir()
             spec = method_config(setup, method, k)
-            with running_server(setup.target, spec, extra_args=server_args, log_path=workdir / "server.log") as base:
+            with running_server(setup.target, spec, extra_args=server_args, log_path=workdir / "server.log",
+                                eager=setup.eager) as base:
                 warm_up(base)
                 for qps in rates:
                     result = run_rate(base, prompts, qps, num_requests, max_users, setup.max_tokens, workdir,

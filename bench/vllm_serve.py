@@ -76,8 +76,8 @@ def measure(args: argparse.Namespace, dataset: Path, label: str, spec: dict | No
 
     out = Path(args.out)
     name = re.sub(r"[^\w.=-]+", "_", f"{label}-{dtype}")  # a file name without spaces
-    extra_args = ["--dtype", dtype] + (["--enforce-eager"] if args.eager else [])
-    with running_server(args.target, spec, extra_args=extra_args, log_path=out / f"server-{name}.log") as base:
+    with running_server(args.target, spec, extra_args=["--dtype", dtype], log_path=out / f"server-{name}.log",
+                        eager=args.eager) as base:
         before = served_spec_counters(base)
         result = out / f"client-{name}.json"
         client = subprocess.run(client_command(base, args.target, dataset, args, result),

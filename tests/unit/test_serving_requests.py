@@ -232,6 +232,16 @@ def test_cpu_servers_hold_the_context_their_kv_cache_fits():
     assert chosen.count("--max-model-len") == 1 and chosen[chosen.index("--max-model-len") + 1] == "512"
 
 
+def test_eager_servers_skip_torch_compile_once():
+    """``eager`` adds ``--enforce-eager`` (vLLM's switch off torch.compile) once, given or not in
+    the extra arguments; without it the flag is left to the caller."""
+    from vllm_edsd.launch.server import server_command
+
+    assert "--enforce-eager" not in server_command("TARGET", None, 8000)
+    assert server_command("TARGET", None, 8000, eager=True).count("--enforce-eager") == 1
+    assert server_command("TARGET", None, 8000, ["--enforce-eager"], eager=True).count("--enforce-eager") == 1
+
+
 @pytest.mark.vllm_range
 def test_edsd_drafts_by_sampling_unless_the_user_says_otherwise(models):
     """An ``"edsd"`` config without ``draft_sample_method`` gets "probabilistic"; a value given

@@ -49,7 +49,12 @@ def default_dtype() -> str:
     return cpu_dtype() if on_cpu() else "auto"
 
 
-def server_command(target: str, spec: dict | None, port: int, extra_args: list[str] | None = None) -> list[str]:
+def server_command(target: str, spec: dict | None, port: int, extra_args: list[str] | None = None,
+                   eager: bool = False) -> list[str]:
+    """The ``vllm serve`` command line (vLLM's OpenAI API server) for ``target`` on localhost:
+    CPU memory and context defaults and this machine's dtype unless ``extra_args`` sets them;
+    ``eager`` starts it without torch.compile (``--enforce-eager``: minutes less start-up on a
+    CPU)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
            "--host", "127.0.0.1", "--port", str(port)]
     extra_args = list(extra_args or [])
@@ -61,6 +66,8 @@ def server_command(target: str, spec: dict | None, port: int, extra_args: list[s
         cmd += ["--dtype", default_dtype()]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
+    if eager and "--enforce-eager" not in extra_args:
+        cmd += ["--enforce-eager"]
     return cmd + extra_args
 
 
@@ -128,13 +135,15 @@ def running_server(
     log_path: str | Path | None = None,
     startup_timeout_s: float = 600,
     env: dict[str, str] | None = None,
+    eager: bool = False,
 ) -> Iterator[str]:
-    """Yield the base URL of a healthy server; always terminate it afterwards."""
+    """Yield the base URL of a healthy server (``server_command``'s, ``eager`` as there); always
+    terminate it afterwards."""
     port = free_port()
     use_cpu_workarounds()
     log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")  # kept for error messages
     proc = subprocess.Popen(
-        server_command(target, spec, port, extra_args),
+        server_command(target, spec, port, extra_args, eager),
         stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},  # the log is current, for errors and readers
         start_new_session=True,  # its own process group: stopping it reaches the engine processes too
