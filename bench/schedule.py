@@ -3,8 +3,8 @@ throughput with one drafter, measured, then served and measured again.
 
 For every batch size (default 1, 4, 16, 64) it times the target alone, the drafter at K=0
 (vLLM's table with K 0: the drafter's first forward still runs, its vocabulary head does not),
-the same engine with every request capped at 0 (the drafter skipped entirely: what a K=0 step
-costs at best, vLLM's own speculative bookkeeping included) and each static K, picks the
+each static K, and the K=1 engine with every request capped at 0 (the drafter skipped
+entirely: what a K=0 step costs at best, vLLM's own speculative bookkeeping included), picks the
 fastest K per batch size, and writes vLLM's
 ``num_speculative_tokens_per_batch_size`` table for it: DIR/schedule.json, ready for
 ``--speculative-config``. An engine serving that table is then timed beside the rest, so the
@@ -32,7 +32,7 @@ from .offline import CATEGORIES, generate, load_prompts
 MIN_REQUESTS = 8  # small batches run several rounds, so one prompt does not decide a batch size
 SUITE = "schedule"
 NONE, SCHEDULE = "none", "schedule"
-OPTED_OUT = "opted-out"  # K=1, every request capped at 0 (extra_args): the drafter never runs
+OPTED_OUT = "opted-out"  # the K=1 engine, every request capped at 0 (extra_args): the drafter never runs
 
 
 def choose_schedule(tok_s: dict[int, dict[int, float]], max_batch: int) -> list[list[int]]:
@@ -57,7 +57,7 @@ def choose_schedule(tok_s: dict[int, dict[int, float]], max_batch: int) -> list[
 
 def static_k_throughput(runs: list[dict]) -> dict[int, dict[int, float]]:
     """``tok_s[batch][k]`` of the static-K engines (K=0 included), the only ones a table can
-    serve: none and the opted-out engine are references, never choices."""
+    serve: none and the opted-out rows are references, never choices."""
     tok_s: dict[int, dict[int, float]] = {}
     for r in runs:
         if isinstance(r["engine"], int):
@@ -73,15 +73,13 @@ def schedule_config(ranges: list[list[int]]) -> dict:
 
 
 def engine_config(args: argparse.Namespace, label: str | int, ranges: list[list[int]] | None = None) -> dict | None:
-    """The speculative config of one timed engine: none, the schedule, static K (K=0 is vLLM's
-    table with one range of K 0), or K=1 for the opted-out requests."""
+    """The speculative config of one timed engine: none, the schedule, or static K (K=0 is vLLM's
+    table with one range of K 0; the K=1 engine also times the opted-out requests)."""
     if label == NONE:
         return None
     if label == SCHEDULE:
         keys = schedule_config(ranges)
         return speculative_config(args.method, args.drafter, keys.pop("num_speculative_tokens"), **keys)
-    if label == OPTED_OUT:
-        return speculative_config(args.method, args.drafter, 1)
     if label == 0:
         return speculative_config(args.method, args.drafter, 1, num_speculative_tokens_per_batch_size=[[1, 1, 0]])
     return speculative_config(args.method, args.drafter, label)
@@ -106,12 +104,17 @@ def time_batches(llm, prompts: list[list[dict]], batch_sizes: list[int], max_tok
 
 def measure(args: argparse.Namespace, prompts: list[list[dict]], label: str | int,
             ranges: list[list[int]] | None = None) -> list[dict]:
+    """The rows of one engine: ``label``'s and, on the K=1 engine (the opted-out requests' own
+    config), the same engine timed again with every request capped at 0."""
     engine_kwargs = ({"max_num_seqs": max(args.batch_sizes), "enforce_eager": args.eager}
                      | ({"dtype": args.dtype} if args.dtype else {}))
-    extra_args = {REQUEST_KEY: 0} if label == OPTED_OUT else None
+    timings = [(label, None)] + ([(OPTED_OUT, {REQUEST_KEY: 0})] if label == 1 else [])
+    rows = []
     with llm_session(args.target, engine_config(args, label, ranges), **engine_kwargs) as llm:
-        timed = time_batches(llm, prompts, args.batch_sizes, args.max_tokens, extra_args)
-    return [{"engine": label, "batch_size": b, **row} for b, row in timed.items()]
+        for timed_label, extra_args in timings:
+            timed = time_batches(llm, prompts, args.batch_sizes, args.max_tokens, extra_args)
+            rows += [{"engine": timed_label, "batch_size": b, **row} for b, row in timed.items()]
+    return rows
 
 
 def _cell(tok_s: float | None, base: float | None) -> str:
@@ -158,7 +161,7 @@ def checked(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Time none, the opted-out engine and every static K, choose the table, serve it and time it."""
+    """Time none and every static K (K=1 also opted out), choose the table, serve it and time it."""
     args = checked(args)
     args.target, args.drafter = target_and_drafter(args.target, args.method, args.drafter)
     out = Path(args.out)
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         (out / "report.md").write_text(render(results))
 
     # An engine that cannot start raises EDSDError: what was measured stays in results.json.
-    for label in tqdm((NONE, OPTED_OUT, *range(args.max_k + 1)), desc="bench schedule", unit="engine"):
+    for label in tqdm((NONE, *range(args.max_k + 1)), desc="bench schedule", unit="engine"):
         record(label)
     results["schedule"] = schedule_config(choose_schedule(static_k_throughput(results["runs"]), args.max_batch))
     (out / "schedule.json").write_text(json.dumps(results["schedule"]) + "\n")

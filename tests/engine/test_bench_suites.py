@@ -8,7 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from support.engine_runs import in_process_core
 from support.report_tables import mismatches
+
+IN_PROCESS = in_process_core()  # the engine core in the bench's process: one vLLM import less per engine
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +22,7 @@ def bench_run(models, tmp_path_factory):
     # EAGLE-3 machinery) and is left out to keep CI's engine count.
     cmd = [sys.executable, "-m", "bench", "all", "--quick", "--out", str(out), "--target", models["llama"],
            "--edsd", models["llama-edsd"], "--methods", "none,ngram,edsd"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=IN_PROCESS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -112,7 +115,7 @@ def test_draft_length_variants_side_by_side(models, tmp_path):
     cmd = [sys.executable, "-m", "bench", "throughput", "--quick", "--out", str(out), "--target", models["llama"],
            "--edsd", models["llama-edsd"], "--methods", "edsd,edsd-adaptive,edsd-batch-table",
            "--temperatures", "0,1", "--batch-sizes", "1,8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=IN_PROCESS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     rows = {(r["method"], r["batch_size"], r["temperature"]): r for r in results["runs"]}
@@ -138,7 +141,7 @@ def test_schedule_is_measured_then_served(models, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "bench", "schedule", "--quick", "--max-k", "1", "--out", str(out),
            "--target", models["llama"], "--drafter", models["llama-edsd"]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=IN_PROCESS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     schedule = json.loads((out / "schedule.json").read_text())
     ranges = schedule["num_speculative_tokens_per_batch_size"]
@@ -189,7 +192,7 @@ def test_stop_at_eos_ends_replies_where_the_model_ends_its_answer(tmp_path):
     cmd = [sys.executable, "-m", "bench", "acceptance", "--stop-at-eos", "--out", str(out), "--methods", "none,ngram",
            "--categories", "chat,math", "--prompts-per-category", "1", "--max-tokens", str(max_tokens),
            "--dtype", "float32", "--eager"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=IN_PROCESS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["ignore_eos"] is False and results["config"]["categories"] == ["chat", "math"]

@@ -10,6 +10,7 @@ from support.engine_runs import serve_fitted
 from support.toy import toy_corpus
 
 K = 3
+EAGER = {"enforce_eager": True}  # the regeneration engines without torch.compile: minutes less on a CPU
 
 
 def explicit_edsd(trained: dict, engine_runs) -> dict:
@@ -71,11 +72,11 @@ def test_regeneration_cache_is_keyed_by_its_inputs(trained, tmp_path, monkeypatc
     monkeypatch.setattr(answers, "REGENERATE_CHUNK", 2)
     lines = [l for l in toy_corpus().splitlines() if l.strip()][32:37]
     convs = [[{"role": "user", "content": l}] for l in lines]
-    first = answers.regenerate(trained["target"], convs[:2], tmp_path, 8)
+    first = answers.regenerate(trained["target"], convs[:2], tmp_path, 8, EAGER)
     assert [c[0]["content"] for c in first] == lines[:2]
     (chunk,) = tmp_path.glob("regenerated-*.jsonl")
     written = chunk.stat().st_mtime_ns
-    assert answers.regenerate(trained["target"], convs[:2], tmp_path, 8) == first
-    every = answers.regenerate(trained["target"], convs, tmp_path, 8)
+    assert answers.regenerate(trained["target"], convs[:2], tmp_path, 8, EAGER) == first
+    every = answers.regenerate(trained["target"], convs, tmp_path, 8, EAGER)
     assert every[:2] == first and [c[0]["content"] for c in every] == lines
     assert chunk.stat().st_mtime_ns == written and len(list(tmp_path.glob("regenerated-*.jsonl"))) == 3

@@ -1,5 +1,5 @@
 """EDSD and EAGLE-3 served in every dtype a user can pick (float16, bfloat16, float32): the demo
-pair's per-position acceptance at K=4 and K=7 within 0.05 of float32's, and, on a toy target
+pair's per-position acceptance at K=7 within 0.05 of float32's, and, on a toy target
 whose first token carries a massive activation, drafts in every dtype that are the float32 reference's.
 
 EDSD's residual stream leaves float16's range from the first draft step (methods/edsd/float16_range.py);
@@ -28,7 +28,7 @@ from vllm_edsd.methods.edsd.model import EDSDDraftModel
 from weights_convert import convert
 
 K = 7
-CAPPED_K = 4
+MASSIVE_K = 4
 TOLERANCE = 0.05
 MAX_TOKENS = 48
 DEMO = {"edsd": "vllm_edsd/assets/demo/edsd", "eagle3": "vllm_edsd/assets/demo/eagle3"}
@@ -75,28 +75,24 @@ def specforge_converted(demo_prompts, tmp_path_factory) -> str:
     return str(root / "served")
 
 
-def per_position(demo_prompts, engine_runs, method: str, dtype: str, drafter: str | None = None
-                 ) -> dict[int, list[float]]:
-    """The demo pair's per-position acceptance in ``dtype`` (another drafter of ``method`` where
-    given): K=7, and every request capped at 4."""
+def per_position(demo_prompts, engine_runs, method: str, dtype: str, drafter: str | None = None) -> list[float]:
+    """The demo pair's per-position acceptance at K=7 in ``dtype`` (another drafter of ``method``
+    where given). Its first four positions are the drafts a K=4 engine proposes (each draft step
+    reads only the steps before it), so K=4 is not served apart: float16 is emulated on most
+    CPUs, and its engines are the engine tier's slowest."""
     target, prompts = demo_prompts
-    phase = greedy_phase(prompts=prompts, max_tokens=MAX_TOKENS)
-    capped = greedy_phase(f"k{CAPPED_K}", prompts, MAX_TOKENS)
-    capped["sampling"] = {**capped["sampling"], "extra_args": {"num_speculative_tokens": CAPPED_K}}
     job = {"target": target, "speculative_config": {**edsd_spec(drafter or DEMO[method], K), "method": method},
            "llm_kwargs": {"enforce_eager": True, "dtype": dtype, "max_model_len": 1024},
-           "phases": [phase, capped]}
+           "phases": [greedy_phase(prompts=prompts, max_tokens=MAX_TOKENS)]}
     phases = engine_runs(f"demo-{method}-{dtype}-{Path(drafter or DEMO[method]).name}", job)["phases"]
-    return {K: phases["greedy"]["counters"]["acceptance_per_pos"],
-            CAPPED_K: phases[f"k{CAPPED_K}"]["counters"]["acceptance_per_pos"][:CAPPED_K]}
+    return phases["greedy"]["counters"]["acceptance_per_pos"]
 
 
-def assert_accepts_as(measured: dict[int, list[float]], reference: dict[int, list[float]], what: str) -> None:
-    assert reference[CAPPED_K][0] > 0.2, f"the drafter drafts too little to compare: {reference}"
-    for k in (CAPPED_K, K):
-        assert len(measured[k]) == k
-        gaps = [abs(a - b) for a, b in zip(measured[k], reference[k], strict=True)]
-        assert max(gaps) <= TOLERANCE, f"K={k}: {what} {measured[k]} against float32 {reference[k]}"
+def assert_accepts_as(measured: list[float], reference: list[float], what: str) -> None:
+    assert reference[0] > 0.2, f"the drafter drafts too little to compare: {reference}"
+    assert len(measured) == K
+    gaps = [abs(a - b) for a, b in zip(measured, reference, strict=True)]
+    assert max(gaps) <= TOLERANCE, f"K={K}: {what} {measured} against float32 {reference}"
 
 
 # EDSD in float16 is served from the SpecForge checkpoint of the shipped weights (the next test):
@@ -132,7 +128,7 @@ def test_drafts_beside_a_massive_first_token_activation(massive_activation, engi
     the float32 reference's on the text the engine wrote (a random drafter accepts nothing, so
     its drafts, not its acceptance, are compared)."""
     job = {"target": massive_activation["target"],
-           "speculative_config": edsd_spec(massive_activation[drafter], CAPPED_K),
+           "speculative_config": edsd_spec(massive_activation[drafter], MASSIVE_K),
            "llm_kwargs": {"enforce_eager": True, "dtype": dtype},
            "phases": [greedy_phase(prompts=PROMPTS, max_tokens=24, record_proposals=True)]}
     try:
@@ -141,7 +137,7 @@ def test_drafts_beside_a_massive_first_token_activation(massive_activation, engi
         if dtype == "bfloat16" and torch.cpu._is_amx_tile_supported() and "(exit -4)" in str(failure):
             pytest.xfail(AMX_SIGILL + str(failure)[str(failure).find("Fatal Python error"):][:1500])
         raise
-    chains_for = reference_chains(massive_activation["target"], massive_activation[drafter], k=CAPPED_K)
+    chains_for = reference_chains(massive_activation["target"], massive_activation[drafter], k=MASSIVE_K)
     same, total = draft_agreement(PROMPTS, phase, chains_for)
-    assert total >= 8 * 10 * CAPPED_K
+    assert total >= 8 * 10 * MASSIVE_K
     assert same / total >= 0.9, f"{same} of {total} {dtype} draft tokens are the float32 reference's"

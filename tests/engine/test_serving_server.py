@@ -21,7 +21,7 @@ from support.servers import SERVER_ARGS, answer_token_ids, completion_body, comp
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import make_llm, on_cpu, parse_prometheus_counters
-from vllm_edsd.launch.server import running_server
+from vllm_edsd.launch.server import post_json, running_server
 
 K = 4
 
@@ -77,6 +77,14 @@ def test_a_bad_per_request_draft_length_fails_its_own_request_only(server, train
             assert answer_token_ids(answer.json()) == [plain_outputs[i]]
     assert after.status_code == 200 and answer_token_ids(after.json()) == plain_outputs
     assert 0 < grown.draft_tokens < K * grown.drafts  # the capped requests drafted fewer than K
+
+
+def test_a_refused_request_is_one_error_with_the_servers_reason(server):
+    """A request the server refuses (its reply would not fit the context) is one EDSDError
+    carrying vLLM's own message, as ``edsd demo`` and the bench print it."""
+    body = {"model": "toy", "prompt": "def fibonacci(n):", "max_tokens": 100000, "temperature": 0}
+    with pytest.raises(EDSDError, match=r"the server refused the request \(HTTP 400\): .*100000"):
+        post_json(f"{server}/v1/completions", body)
 
 
 def test_streaming_completion_matches_non_streaming(server):

@@ -24,6 +24,7 @@ from vllm_edsd.launch.server import free_port
 CONTEXT = 1024
 PROMPTS = 90  # with the long sample, more than the 64 samples of one feature shard: one shard per rank
 EDSD = (sys.executable, "-m", "vllm_edsd")
+EAGER = ("--vllm-args", json.dumps({"enforce_eager": True}))  # every engine without torch.compile: minutes less
 
 
 def edsd(*args: str, launcher: tuple[str, ...] = EDSD) -> str:
@@ -50,7 +51,7 @@ def flow(tmp_path_factory) -> dict:
     (root / "prompts.jsonl").write_text("".join(json.dumps({"messages": p}) + "\n" for p in
                                                 [*prompts, [{"role": "user", "content": words(2000)}]]))
     regenerated = edsd("regenerate", target, "--out", str(root / "answers.jsonl"), "--data",
-                       str(root / "prompts.jsonl"), "--answer-tokens", "8")
+                       str(root / "prompts.jsonl"), "--answer-tokens", "8", *EAGER)
     long_answer = [{"role": "user", "content": "Tell me everything."}, {"role": "assistant", "content": words(1500)}]
     with open(root / "answers.jsonl", "a") as data:
         data.write(json.dumps({"messages": long_answer}) + "\n")
@@ -58,7 +59,7 @@ def flow(tmp_path_factory) -> dict:
                 str(free_port()), "-m", "vllm_edsd")
     trained = edsd("train", target, "--out", str(root / "run"), "--data", str(root / "answers.jsonl"), "--layers",
                    "1,3", "--epochs", "1", "--ttt-steps", "2", "--batch-size", "8", "--draft-vocab-size", "256",
-                   "--device", "cpu", "--features-backend", "vllm", launcher=torchrun)
+                   "--device", "cpu", "--features-backend", "vllm", *EAGER, launcher=torchrun)
     converted = edsd("convert", str(root / "run" / "final"), str(root / "drafter"), "--target", target)
     return {"root": root, "regenerated": regenerated, "trained": trained, "converted": converted}
 

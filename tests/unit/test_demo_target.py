@@ -97,3 +97,18 @@ def test_the_demo_is_never_silent_for_long(capsys):
     with pytest.raises(RuntimeError), heartbeat("failing", every=0.05):
         raise RuntimeError("engine died")
     assert "done" not in capsys.readouterr().out
+
+
+def test_a_reply_longer_than_the_context_is_refused_before_any_engine():
+    """``edsd demo --max-tokens`` past what the demo's engines hold beside its longest prompt:
+    one line naming the flag and the most that fits, exit 2, and no server started (its refusal
+    would come only after minutes of start-up)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "vllm_edsd.cli", "demo", "--max-tokens", "100000"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--max-tokens 100000 does not fit: the demo's engines hold" in out.stderr
+    assert "leaves at most" in out.stderr and "Traceback" not in out.stderr
+    assert "starting vLLM" not in out.stdout

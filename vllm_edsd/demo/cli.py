@@ -136,6 +136,21 @@ def _top2_margin(logprobs: list[float]) -> float:
     return best - second
 
 
+def _check_replies_fit(target: str, max_tokens: int) -> None:
+    """Refuse a ``--max-tokens`` that the demo's engines cannot hold beside its longest prompt,
+    before any engine starts: vLLM would refuse every request, but only after its start-up."""
+    from vllm_edsd.checkpoint.target import context_length
+    from vllm_edsd.launch.engine import cpu_max_model_len, on_cpu
+
+    from . import check_prompt_ids
+
+    context = cpu_max_model_len(target) if on_cpu() else context_length(target)
+    longest = max(len(ids) for ids in check_prompt_ids(target))
+    if context is not None and longest + max_tokens > context:
+        raise EDSDError(f"--max-tokens {max_tokens} does not fit: the demo's engines hold {context} tokens and its "
+                        f"longest prompt takes {longest}, which leaves at most {context - longest}")
+
+
 def run(args: argparse.Namespace) -> int:
     from vllm_edsd.launch.engine import speculative_config
     from vllm_edsd.launch.server import sigterm_as_interrupt
@@ -146,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.k < 1 or args.max_tokens < 1:
         raise EDSDError(f"--k and --max-tokens must be positive, got {args.k} and {args.max_tokens}")
+    _check_replies_fit(paths["target"], args.max_tokens)
     measure = _measure_offline if args.offline else _measure_server
     how = "offline LLM.generate" if args.offline else "OpenAI-compatible server on 127.0.0.1"
     methods = [m for m in args.methods.split(",") if m]
