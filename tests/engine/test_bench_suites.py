@@ -11,7 +11,9 @@ import pytest
 from support.engine_runs import in_process_core
 from support.report_tables import mismatches
 
-IN_PROCESS = in_process_core()  # the engine core in the bench's process: one vLLM import less per engine
+# The engine core in the bench's process: one vLLM import less per engine. Not for `bench all`,
+# whose EDSD engine, the third of the process, failed to start so (docs/known-issues.md).
+IN_PROCESS = in_process_core()
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def bench_run(models, tmp_path_factory):
     # EAGLE-3 machinery) and is left out to keep CI's engine count.
     cmd = [sys.executable, "-m", "bench", "all", "--quick", "--out", str(out), "--target", models["llama"],
            "--edsd", models["llama-edsd"], "--methods", "none,ngram,edsd"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=IN_PROCESS)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)  # not IN_PROCESS: see above
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 

@@ -28,7 +28,8 @@ def in_process_core() -> dict[str, str]:
     in the process that builds them, as engine_job.py runs it: a second process imports vLLM and
     the plugin again, and the bench's schedule and throughput runs took half the time without it
     on a 2-core CPU. vLLM's server (AsyncLLM) ignores the setting: its engine core keeps a process
-    of its own. Not for vLLM's hidden-state extraction (``edsd features``): its engine hung there."""
+    of its own. Not for ``bench all`` or ``edsd features``, which failed or hung so
+    (docs/known-issues.md, "engines whose core runs in the caller's process")."""
     return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
