@@ -10,7 +10,7 @@ from support.engine_runs import serve_fitted
 from support.toy import toy_corpus
 
 K = 3
-EAGER = {"enforce_eager": True}  # the regeneration engines without torch.compile: minutes less on a CPU
+EAGER = {"enforce_eager": True}  # the regeneration engines without torch.compile
 
 
 def explicit_edsd(trained: dict, engine_runs) -> dict:

@@ -24,7 +24,7 @@ from vllm_edsd.launch.server import free_port
 CONTEXT = 1024
 PROMPTS = 90  # with the long sample, more than the 64 samples of one feature shard: one shard per rank
 EDSD = (sys.executable, "-m", "vllm_edsd")
-EAGER = ("--vllm-args", json.dumps({"enforce_eager": True}))  # every engine without torch.compile: minutes less
+EAGER = ("--vllm-args", json.dumps({"enforce_eager": True}))  # every engine without torch.compile
 
 
 def edsd(*args: str, launcher: tuple[str, ...] = EDSD) -> str:

@@ -107,7 +107,7 @@ def train_on_fitted(target: str, root: Path) -> dict:
               "--epochs", "8", "--ttt-steps", "3", "--lr", "1e-2", "--batch-size", "4", "--cache", str(root / "cache"),
               # the regime the serving tests' acceptance was calibrated on
               "--lr-schedule", "constant", "--weight-decay", "0.01",
-              # regeneration's and the features' engines without torch.compile: minutes less on a CPU
+              # regeneration's and the features' engines without torch.compile
               # (tests/engine/test_features_extraction.py runs the compiled default)
               "--vllm-args", json.dumps({"enforce_eager": True}),
               "--feature-layers", ",".join(map(str, sorted({*selected, 1, 2, 3})))]
