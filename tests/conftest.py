@@ -18,14 +18,14 @@ from support.builds import (
 )
 from support.engine_runs import greedy_phase, run_engine_job, serve_fitted
 from support.prompts import SHARED_PREFIX_PROMPTS, SHARED_PREFIX_TOKENS
-from support.shared import build_once, separate_worker_engines
+from support.shared import build_once, configure_test_engines
 from support.toy import make_target
 
 
 def pytest_configure(config):
-    """Before any test module is collected: this worker's engines get a core and a compile cache
-    of their own."""
-    separate_worker_engines()
+    """Before any test module is collected: this worker's engines get a small KV cache, and a core
+    and a compile cache of their own."""
+    configure_test_engines()
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,9 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 def _peak_growth_mib(samples: int, layers: int, budget: int = ONE_LAYER) -> int:
     # A fixed mmap threshold: every block of a MiB or more is mapped on allocation and unmapped on
     # release, so the peak is what was alive at once, not what glibc's heap kept after a free.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    # One thread: beside the other xdist worker's engine, two OpenMP threads took 28 s a measurement
+    # where one took 6-11 s, with the same peaks (2-core AMD EPYC, AVX512-BF16, float32).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", PEAK_MEMORY_SCRIPT, str(WIDTH), str(samples), str(layers),
                           str(budget)], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -160,10 +160,9 @@ def test_server_with_two_data_parallel_engines(trained, max_entropy, plain_outpu
     counters of both together are the reference's replay of the cut chains; streams abandoned
     mid-way leave the engines serving the same output."""
     spec = adaptive_spec(trained["edsd-folded"], max_entropy)
-    # Each rank's KV cache sized to what eight short streams need: on a CPU a rank otherwise takes
-    # a quarter of the machine's memory, and two of them beside another test's engine ran a
-    # 24-GiB CI machine out of memory.
-    dp_args = [*SERVER_ARGS, "--data-parallel-size", "2", "--kv-cache-memory-bytes", str(1 << 30)]
+    # Each rank's KV cache is the tests' 1 GiB (support/shared.py): at a quarter of the machine's
+    # memory each, two ranks beside another test's engine ran a 24-GiB CI machine out of memory.
+    dp_args = [*SERVER_ARGS, "--data-parallel-size", "2"]
     with running_server(trained["target"], spec, extra_args=dp_args,
                         log_path=tmp_path / "dp.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
         outputs = completion_token_ids(base, trained["prompts"])

@@ -187,10 +187,11 @@ def test_health_poll_outlasts_a_server_that_does_not_answer_yet(tmp_path):
     assert time.time() - started >= 5
 
 
-def test_server_that_fails_to_start_names_vllms_reason(models, tmp_path):
+def test_server_that_fails_to_start_names_vllms_reason(models, tmp_path, monkeypatch):
     """An engine that cannot start (here: a KV cache too small for one sequence, which is how a
     CPU whose NUMA node reports little memory failed the demo) is one error carrying vLLM's own
     reason from the engine core's log, not the API server's "see root cause above" traceback."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the tests' KV size would override 4 KiB
     with pytest.raises(EDSDError) as err:
         with running_server(models["llama"], extra_args=[*SERVER_ARGS, "--kv-cache-memory-bytes", "4096"],
                             log_path=tmp_path / "startup.log"):
@@ -202,10 +203,11 @@ def test_server_that_fails_to_start_names_vllms_reason(models, tmp_path):
         assert "EDSD_CPU_MEMORY_FRACTION" in message, message
 
 
-def test_offline_engine_that_fails_to_start_is_one_error(models):
+def test_offline_engine_that_fails_to_start_is_one_error(models, monkeypatch):
     """``LLM(...)`` through the launcher (the demo's ``--offline``, the bench): an engine core
     that cannot start is the project's error pointing at vLLM's logged reason, which vLLM's own
     exception ("See root cause above") only refers to."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     with pytest.raises(EDSDError, match="vLLM's engine failed to start") as err:
         make_llm(models["llama"], kv_cache_memory_bytes=4096, dtype="float32", enforce_eager=True)
     if on_cpu():

@@ -44,14 +44,23 @@ def build_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
         return result
 
 
-def separate_worker_engines() -> None:
+# GiB of KV cache per engine (vLLM's CPU setting, which overrides ``kv_cache_memory_bytes``): the
+# CPU build's default, a quarter of the node's memory, took 19 s of an eager toy engine's 40-s start
+# to allocate (5.2 GiB) on a 2-core AMD EPYC (AVX512-BF16, float32), 1 GiB 3 s; 1 GiB holds 23,000
+# tokens of the demo target in float32, more than any test's batch needs.
+TEST_KV_CACHE_GIB = "1"
+
+
+def configure_test_engines() -> None:
     """Settings that every engine process this worker's tests start inherits:
 
+    * a KV cache of ``TEST_KV_CACHE_GIB`` (``VLLM_CPU_KVCACHE_SPACE``), with or without xdist;
     * a core of its own (``VLLM_CPU_OMP_THREADS_BIND``): vLLM's automatic binding puts every
       engine's threads on the same core, so two workers' engines would share one core and leave
       the other idle. Tests that need another binding (tensor parallelism) set their own;
     * a compile cache of its own (``VLLM_CACHE_ROOT``): two engines compiling the same model at
       once would write the same cache entry while the other reads it."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", TEST_KV_CACHE_GIB)
     if WORKER is None:
         return
     index = int(WORKER.removeprefix("gw"))
