@@ -40,7 +40,7 @@ DEMO_DTYPE = "float32"
 # The KV cache of each demo engine: one reply at a time needs at most the context (2,048 tokens on
 # a CPU), and 1 GiB holds about 23,000 tokens of the demo target in float32. vLLM's CPU default, a
 # quarter of the machine's memory less the weights (4.1 GiB on a 24-GiB machine), made each EDSD
-# engine start 13.6 s longer (58.7 s against 45.1 s, compile cache warm, 2-core AMD EPYC with
+# engine start 13.6 s longer (58.7 s against 45.1 s, float32, compile cache warm, 2-core AMD EPYC with
 # AVX512-BF16). A user's VLLM_CPU_KVCACHE_SPACE still overrides it on a CPU.
 DEMO_KV_CACHE_BYTES = 1 << 30
 
