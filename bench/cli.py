@@ -166,6 +166,9 @@ def learning_curve_options(parser: argparse.ArgumentParser) -> None:
              "and --chat-prompts/--code-prompts its prompts")
     add("--remeasure", action="store_true",
         help="measure again the points that --out's results.json already holds (default: keep them)")
+    add("--train-only", action="store_true",
+        help="train every point and measure none: for a machine without vLLM (a GPU box with torch alone); "
+             "the same command without it measures them where vLLM is, on the same --work")
 
 
 def vocab_coverage_options(parser: argparse.ArgumentParser) -> None:

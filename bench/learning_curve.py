@@ -251,6 +251,18 @@ def new_results(args: argparse.Namespace, out: Path) -> dict:
                     "trains on them), measured alike"}
 
 
+def train_only(plan, sizes: list[int], methods: list[str], args: argparse.Namespace,
+               feature_layers: tuple[int, ...]) -> int:
+    """``--train-only``: every point's training run, none measured (vLLM need not be here)."""
+    if args.drafters_from:
+        raise EDSDError("--train-only trains; --drafters-from measures drafters already trained: give one")
+    for size in sizes:
+        for method in methods:
+            drafter = train_point(plan, method, size, args.train_extra.split(), feature_layers)
+            print(f"trained: {method} {args.train_extra} at {size} conversations -> {drafter}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Every (size, method) point not yet measured: train or reuse, measure, write."""
     args.work = str(Path(args.drafters_from or args.work).expanduser())
@@ -260,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     plan = demo_plan(args, sizes[-1])
     run_pipeline(plan.cfg, stop_after="select")  # the data and EDSelect's layers
+    if args.train_only:
+        return train_only(plan, sizes, methods, args, feature_layers)
     results = new_results(args, out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -6,11 +6,19 @@
 #   bash scripts/ablations.sh 2                their first two rows only
 #   SET=draft-layer bash scripts/ablations.sh  the draft layer's rows ("The draft layer's attention input")
 #   SET=draft-layer-10k bash scripts/ablations.sh  the token-reading layer against EAGLE-3 on all
-#                                              10,043 conversations (days on a 2-core CPU; resumes)
+#                                              10,043 conversations (days on a 2-core CPU; resumes;
+#                                              on a GPU without vLLM: scripts/draft_layer_10k_gpu.sh)
+# Environment: ROW=i runs row i alone (from 0); TRAIN_EXTRA adds `edsd train` flags to every row
+# (a shared budget, e.g. a GPU's larger batch); DEVICE is where the drafters train (default cpu);
+# PYTHON is the interpreter (default .venv/bin/python, set up if needed); WORK the learning curve's
+# --work; TRAIN_ONLY=1 trains and measures nothing (a machine without vLLM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD
-.venv/bin/python -c "import vllm, vllm_edsd" 2>/dev/null || bash scripts/setup.sh >/dev/null  # set up if needed
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=.venv/bin/python
+  $PYTHON -c "import vllm, vllm_edsd" 2>/dev/null || bash scripts/setup.sh >/dev/null  # set up if needed
+fi
 # Batch stages on a CPU: vLLM's KV cache is a fraction of the NUMA node; 0.25 holds 4 sequences of
 # the demo target on a 10-GiB node, 0.6 about 50 (4.5x the regeneration throughput, measured).
 export EDSD_CPU_MEMORY_FRACTION=${EDSD_CPU_MEMORY_FRACTION:-0.6}
@@ -20,6 +28,7 @@ if [ "${SET:-recipe}" = draft-layer-10k ]; then
   # Every usable ShareGPT conversation of the PyPI wheel (learning-curve-10k's data), the demo recipe.
   OUT=${OUT:-bench/results/learning-curve-draft-layer-10k-avx2}
   DATA=(--chat-prompts 8070 --code-prompts 1973 --sizes 10043)
+  [ -n "${CONVERSATIONS:-}" ] && DATA=(--chat-prompts "$CONVERSATIONS" --code-prompts 0 --sizes "$CONVERSATIONS")  # a trial
   LAYERS=1,20,29
   ROWS=(
     "edsd|--attention-reads-token"                        # q/k/v read [input_layernorm(u); token_norm(e)]
@@ -58,9 +67,11 @@ else
   )
 fi
 count=${1:-${#ROWS[@]}}
-for row in "${ROWS[@]:0:$count}"; do
-  method=${row%%|*} extra=${row#*|}
+chosen=("${ROWS[@]:0:$count}")
+[ -n "${ROW:-}" ] && chosen=("${ROWS[$ROW]}")
+for row in "${chosen[@]}"; do
+  method=${row%%|*} extra=$(echo ${row#*|} ${TRAIN_EXTRA:-})
   echo "== $method ${extra:-(the demo recipe)}  ($(date -u +%H:%M))"
-  .venv/bin/python -m bench learning-curve "${DATA[@]}" --out "$OUT" ${LAYERS:+--feature-layers "$LAYERS"} \
-    --methods "$method" --train-extra="$extra"
+  $PYTHON -m bench learning-curve "${DATA[@]}" --out "$OUT" ${LAYERS:+--feature-layers "$LAYERS"} \
+    --methods "$method" --train-extra="$extra" --device "${DEVICE:-cpu}" ${WORK:+--work "$WORK"} ${TRAIN_ONLY:+--train-only}
 done
