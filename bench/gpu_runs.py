@@ -9,6 +9,9 @@ without vLLM (``scripts/draft_layer_10k_gpu.sh``).
   enough to travel (``PART_BYTES``); weights in float16, their dtype recorded.
 - ``unpack DIR --work WORK``: the parts joined and extracted into WORK, weights back in their
   own dtype, so that ``bench learning-curve`` finds every run trained and measures it.
+- ``seed DIR --work WORK``: a GPU run's data kept in the repository (answers as ``.jsonl.xz``,
+  EDSelect's ``layers.json``) put into WORK where missing, so the curve's regeneration and
+  EDSelect stages find them done.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from vllm_edsd.checkpoint.files import replace_file
 from vllm_edsd.errors import EDSDError
 
 PART_BYTES = 15 << 20  # below the GPU machine's 16 MiB a file
@@ -43,6 +47,9 @@ def slice_prompts(work: Path, out: Path, slices: int, conversations: int | None)
     from vllm_edsd.regeneration.answers import REGENERATE_CHUNK
 
     plan = curve_plan(work, conversations)
+    if plan.data().is_file():
+        print(f"{plan.data()} is there: nothing to answer")
+        return []
     if not plan.prompts().is_file():
         plan.write_prompts()
     lines = [line for line in plan.prompts().read_text().splitlines(keepends=True) if line.strip()]
@@ -139,6 +146,22 @@ def unpack(folder: Path, work: Path) -> dict:
     return manifest
 
 
+def seed(folder: Path, work: Path) -> list[Path]:
+    """``folder``'s answers and EDSelect's layers copied into ``work`` where missing."""
+    if not folder.is_dir():
+        raise EDSDError(f"{folder}: no such folder")
+    work.mkdir(parents=True, exist_ok=True)
+    seeded = []
+    for source in [*sorted(folder.glob("*.jsonl.xz")), folder / "layers.json"]:
+        target = work / source.name.removesuffix(".xz")
+        if source.is_file() and not target.exists():
+            data = lzma.decompress(source.read_bytes()) if source.suffix == ".xz" else source.read_bytes()
+            replace_file(target, lambda tmp, data=data: tmp.write_bytes(data))
+            seeded.append(target)
+    print(f"seeded {work} from {folder}: " + (", ".join(p.name for p in seeded) or "everything was there"))
+    return seeded
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_runs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,12 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     unpacking = verbs.add_parser("unpack", help="the parts back into a work directory")
     unpacking.add_argument("folder", type=Path)
     unpacking.add_argument("--work", type=Path, required=True)
+    seeding = verbs.add_parser("seed", help="a GPU run's kept data into a work directory")
+    seeding.add_argument("folder", type=Path)
+    seeding.add_argument("--work", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
         if args.verb == "slice":
             slice_prompts(args.work, args.out, args.slices, args.conversations)
         elif args.verb == "pack":
             pack(args.work, args.out)
+        elif args.verb == "seed":
+            seed(args.folder, args.work)
         else:
             unpack(args.folder, args.work)
     except EDSDError as exc:

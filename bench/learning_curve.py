@@ -231,6 +231,8 @@ def checked(args: argparse.Namespace) -> tuple[list[int], tuple[int, ...], list[
     sizes = sorted(set(numbers("--sizes", args.sizes, int, 1)))
     feature_layers = () if args.feature_layers is None else tuple(
         numbers("--feature-layers", args.feature_layers, int, 0))
+    if args.drafters_from and args.train_only:
+        raise EDSDError("--train-only trains; --drafters-from measures drafters already trained: give one of them")
     if args.drafters_from and len(sizes) != 1:
         raise EDSDError("--drafters-from measures one run: give its number of conversations as --sizes N")
     methods = args.methods.split(",")
@@ -254,8 +256,6 @@ def new_results(args: argparse.Namespace, out: Path) -> dict:
 def train_only(plan, sizes: list[int], methods: list[str], args: argparse.Namespace,
                feature_layers: tuple[int, ...]) -> int:
     """``--train-only``: every point's training run, none measured (vLLM need not be here)."""
-    if args.drafters_from:
-        raise EDSDError("--train-only trains; --drafters-from measures drafters already trained: give one")
     for size in sizes:
         for method in methods:
             drafter = train_point(plan, method, size, args.train_extra.split(), feature_layers)

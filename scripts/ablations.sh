@@ -30,6 +30,9 @@ if [ "${SET:-recipe}" = draft-layer-10k ]; then
   DATA=(--chat-prompts 8070 --code-prompts 1973 --sizes 10043)
   [ -n "${CONVERSATIONS:-}" ] && DATA=(--chat-prompts "$CONVERSATIONS" --code-prompts 0 --sizes "$CONVERSATIONS")  # a trial
   LAYERS=1,20,29
+  # the target's answers and EDSelect's layers from a GPU run (its report), not answered again
+  [ -z "${CONVERSATIONS:-}" ] && $PYTHON -m bench.gpu_runs seed bench/results/learning-curve-draft-layer-10k-h200 \
+    --work "${WORK:-$HOME/.cache/vllm-edsd/learning-curve}"
   ROWS=(
     "edsd|--attention-reads-token"                        # q/k/v read [input_layernorm(u); token_norm(e)]
     "eagle3|"                                             # EAGLE-3, the same recipe, data, order and steps

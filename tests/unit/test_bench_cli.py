@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.cli import SUITES, parse
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -30,3 +32,15 @@ def test_each_suite_parses_its_own_options_and_records_its_command():
     assert args.command == """python -m bench serve --out x --speculative-config '{"method": "ngram"}'"""
     assert parse(["learning-curve", "--out", "x"]).sizes == "64,180,360,720"
     assert parse(["vocab-coverage", "T", "--data", "d"]).held_out == 1000
+
+
+def test_learning_curve_train_only_is_not_a_measurement_of_trained_drafters(tmp_path):
+    """``--train-only`` (a machine without vLLM) trains; ``--drafters-from`` measures what is
+    trained: both at once is refused in one line before any stage runs."""
+    from bench.learning_curve import checked
+    from vllm_edsd.errors import EDSDError
+
+    args = parse(["learning-curve", "--out", "x", "--sizes", "8", "--train-only", "--drafters-from", str(tmp_path)])
+    with pytest.raises(EDSDError, match="--train-only trains; --drafters-from measures"):
+        checked(args)
+    assert parse(["learning-curve", "--out", "x", "--train-only"]).train_only

@@ -69,3 +69,20 @@ def test_unpack_refuses_a_missing_part(tmp_path, monkeypatch):
         gpu_runs.unpack(tmp_path / "packed", tmp_path / "back")
     with pytest.raises(EDSDError, match="no learning-curve.tar.xz"):
         gpu_runs.unpack(tmp_path / "empty", tmp_path / "back")
+
+
+def test_seed_puts_kept_data_where_missing(tmp_path):
+    """The answers kept compressed in the repository and EDSelect's layers go into a work
+    directory; what is there already is left alone."""
+    import lzma
+
+    kept, work = tmp_path / "kept", tmp_path / "work"
+    kept.mkdir()
+    (kept / "regenerated-data.jsonl.xz").write_bytes(lzma.compress(b'{"messages": []}\n'))
+    (kept / "layers.json").write_text('{"aux_layer_ids": [20, 29]}')
+    assert {p.name for p in gpu_runs.seed(kept, work)} == {"regenerated-data.jsonl", "layers.json"}
+    assert (work / "regenerated-data.jsonl").read_text() == '{"messages": []}\n'
+    (work / "layers.json").write_text("mine")
+    assert gpu_runs.seed(kept, work) == [] and (work / "layers.json").read_text() == "mine"
+    with pytest.raises(EDSDError, match="no such folder"):
+        gpu_runs.seed(tmp_path / "nowhere", work)
