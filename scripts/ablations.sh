@@ -11,7 +11,8 @@
 # Environment: ROW=i runs row i alone (from 0); TRAIN_EXTRA adds `edsd train` flags to every row
 # (a shared budget, e.g. a GPU's larger batch); DEVICE is where the drafters train (default cpu);
 # PYTHON is the interpreter (default .venv/bin/python, set up if needed); WORK the learning curve's
-# --work; TRAIN_ONLY=1 trains and measures nothing (a machine without vLLM).
+# --work; TRAIN_ONLY=1 trains and measures nothing (a machine without vLLM); CONVERSATIONS=N makes
+# the draft-layer-10k set a trial on N chat prompts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
