@@ -78,11 +78,14 @@ def newest_checkpoint(run: Path) -> Path | None:
 
 def half_weights(path: Path) -> tuple[bytes, dict[str, str]]:
     """A safetensors file with its floating tensors in float16, and each tensor's own dtype."""
-    from safetensors.torch import load_file, save
+    import torch
+    from safetensors.torch import save
 
-    tensors = load_file(path)
+    from vllm_edsd.checkpoint.files import cast_floating, read_safetensors
+
+    tensors = read_safetensors(path)
     dtypes = {name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items()}
-    return save({name: t.half() if t.is_floating_point() else t for name, t in tensors.items()}), dtypes
+    return save(cast_floating(tensors, torch.float16)), dtypes
 
 
 def add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -124,7 +127,8 @@ def pack(work: Path, out: Path) -> list[Path]:
 def unpack(folder: Path, work: Path) -> dict:
     """The parts in ``folder`` extracted into ``work``, each weight back in its recorded dtype."""
     import torch
-    from safetensors.torch import load_file, save_file
+
+    from vllm_edsd.checkpoint.files import read_safetensors, save_safetensors
 
     parts = sorted(folder.glob(f"{PACKED}.*"))
     if not parts:
@@ -138,9 +142,8 @@ def unpack(folder: Path, work: Path) -> dict:
     manifest = json.loads((work / MANIFEST).read_text())
     for arcname, dtypes in manifest["dtypes"].items():
         path = work / arcname
-        tensors = load_file(path)
-        save_file({name: t.to(getattr(torch, dtypes[name])) for name, t in tensors.items()}, path,
-                  metadata={"format": "pt"})
+        tensors = {name: t.to(getattr(torch, dtypes[name])) for name, t in read_safetensors(path).items()}
+        replace_file(path, lambda tmp, tensors=tensors: save_safetensors(tensors, tmp))
     for run, checkpoint in manifest["runs"].items():
         print(f"{work / run}: {checkpoint or 'no checkpoint'}")
     return manifest
