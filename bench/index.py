@@ -146,7 +146,9 @@ def entries(root: Path) -> list[Entry]:
     """Every row of the index of ``root``, folder by folder."""
     rows = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        files = sorted(folder.rglob("*"), key=lambda p: (p.parent != folder, p))  # the folder's own first
+        files = sorted((p for p in folder.rglob("*") if p.is_file()), key=lambda p: (p.parent != folder, p))
+        if not files:  # a run that has written nothing yet; git keeps no empty folder
+            continue
         found = [json_entry(p, root) for p in files if p.suffix == ".json" and is_results(p)]
         found = found or [markdown_entry(p, root) for p in files if p.suffix == ".md" and p.name != README]
         rows += found or [Entry(folder.name, *[NOT_RECORDED] * 2, None, *[NOT_RECORDED] * 3)]

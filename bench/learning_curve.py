@@ -275,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
     if args.train_only:
         return train_only(plan, sizes, methods, args, feature_layers)
     results = new_results(args, out)
-    out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     for size in tqdm(sizes, desc="sizes", unit="size"):
         for method in methods:
@@ -285,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             new = {**point(plan, method, size, args, feature_layers), "command": args.command}
             results["points"] = [r for r in results["points"] if not same_point(r, new)] + [new]
+            out.mkdir(parents=True, exist_ok=True)  # at the first result: a run in progress leaves no empty folder
             (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
             (out / "report.md").write_text(render(results))
     plot(results, out / "learning_curve.png")

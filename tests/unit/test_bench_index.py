@@ -37,6 +37,7 @@ def test_rows_say_what_the_files_do_not_record(tmp_path):
     (tmp_path / "new" / "results.json").write_text(json.dumps({
         "machine": {"processor": "AMD EPYC", "cpu_instruction_set": "avx2", "date": "2026-11-29"},
         "config": {"command": "python -m bench acceptance --out x"}, "runs": [{"dtype": "float32"}]}))
+    (tmp_path / "running" / "sub").mkdir(parents=True)  # a run in progress, nothing written yet
     new, old, tally = entries(tmp_path)
     assert (new.suite, new.machine, new.tag, new.dtype, new.date) == (
         "acceptance", "AMD EPYC (avx2)", "avx2", "float32", "2026-11-29")

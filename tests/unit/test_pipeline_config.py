@@ -123,6 +123,28 @@ def test_an_interrupted_pipeline_ends_where_an_uninterrupted_one_does(toy, tmp_p
     assert "done now" not in capsys.readouterr().out
 
 
+def test_edsdelect_chooses_again_when_its_calibration_changed(toy, tmp_path, capsys):
+    """EDSelect's choice is done once per calibration: rerun on the same data it is kept; a
+    ``layers.json`` made on other data (or one that does not record its data) is chosen again,
+    and the log says why."""
+    work = tmp_path / "work"
+    config = toy_config(toy, work, layers={"edsd": None, "select_samples": 4, "select_max_length": 32})
+    select = ["pipeline", str(config), "--stop-after", "select"]
+    assert main(select) == 0
+    layers = work / "layers.json"
+    chosen = json.loads(layers.read_text())
+    assert chosen["calibration"]["data"] == toy["data"].name and chosen["calibration"]["samples"] == 4
+    capsys.readouterr()
+    assert main(select) == 0
+    assert "choosing again" not in capsys.readouterr().out
+    for stale in ({**chosen, "calibration": {**chosen["calibration"], "sha256": "0" * 64}},
+                  {key: value for key, value in chosen.items() if key != "calibration"}):
+        layers.write_text(json.dumps(stale))
+        assert main(select) == 0
+        assert f"{layers}: chosen on other calibration data" in capsys.readouterr().out
+        assert json.loads(layers.read_text())["calibration"] == chosen["calibration"]
+
+
 def test_dry_run_shows_each_command_and_runs_nothing(toy, tmp_path, capsys):
     work = tmp_path / "work"
     assert main(["pipeline", str(toy_config(toy, work)), "--dry-run"]) == 0

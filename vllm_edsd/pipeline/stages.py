@@ -27,7 +27,7 @@ from vllm_edsd.features.stage import FeaturesOptions
 from vllm_edsd.methods import METHODS
 from vllm_edsd.methods.registry import EDSD
 from vllm_edsd.regeneration.stage import RegenerateOptions
-from vllm_edsd.selection.stage import SelectOptions
+from vllm_edsd.selection.stage import SelectOptions, chosen_with
 from vllm_edsd.training.options import TrainOptions
 
 from .config import Config
@@ -137,6 +137,17 @@ class Plan:
                              samples=layers.select_samples, max_length=layers.select_max_length, plot=plot,
                              **set_only(seed=self.train.seed, device=self.train.device))
 
+    def layers_chosen(self) -> bool:
+        """EDSelect's choice is there and was made on this run's calibration data and settings;
+        one made on other data is chosen again, and the log says why."""
+        if not self.layers_json.is_file():
+            return False
+        if chosen_with(self.layers_json, self.select_options()):
+            return True
+        print(f"{self.layers_json}: chosen on other calibration data or settings (its \"calibration\"); "
+              "choosing again", flush=True)
+        return False
+
     def feature_ids(self) -> tuple[int, ...] | None:
         """Every method's layers, or None before EDSelect has chosen those it chooses (a
         ``--dry-run`` before ``select``)."""
@@ -210,7 +221,7 @@ class Plan:
                   f"write {data.sharegpt_chat} chat + {data.sharegpt_code} code ShareGPT prompts"),
             self.stage("regenerate", self.data(), self.data().is_file, regenerate, self.regenerate_options,
                        None if data.regenerate else "data.regenerate is false"),
-            self.stage("select", self.layers_json, self.layers_json.is_file, select, self.select_options,
+            self.stage("select", self.layers_json, self.layers_chosen, select, self.select_options,
                        f"layers.{EDSD} given" if getattr(self.cfg.layers, EDSD) else
                        None if EDSD in methods else f"no {EDSD} in train.methods"),
             Stage("features", self.features_marker(), self.features_finished, self.extract_features,

@@ -4,6 +4,7 @@ scores and the choice written as JSON."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,7 @@ def run(options: SelectOptions) -> dict:
         "fingerprint": vars(fingerprint(model)),
         "samples": len(sequences),
         "max_length": max_length,
+        "calibration": calibration(options),
         "metrics": metrics.__doc__,
         "scores": {str(l): s for l, s in scores.items()},
         "aux_layer_ids": [a, b],
@@ -75,6 +77,24 @@ def run(options: SelectOptions) -> dict:
     print_scores(scores, chosen)
     print(f"aux layers (vLLM convention): {[a, b]}  -> {options.out}")
     return result
+
+
+def calibration(options: SelectOptions) -> dict:
+    """What EDSelect ran on, as its JSON records it: the calibration file's name and digest (or
+    ShareGPT and the seed), the samples asked for and the length given. A choice recorded with
+    other calibration is stale (``chosen_with``)."""
+    source = ({"data": Path(options.data).name, "sha256": hashlib.sha256(Path(options.data).read_bytes()).hexdigest()}
+              if options.data else {"data": "sharegpt", "seed": options.seed})
+    return {**source, "samples": options.samples, "max_length": options.max_length}
+
+
+def chosen_with(path: Path, options: SelectOptions) -> bool:
+    """Whether ``path`` holds EDSelect's choice on ``options``' calibration (a file written by
+    another run, on other data or before the record existed, is not)."""
+    try:
+        return json.loads(path.read_text()).get("calibration") == calibration(options)
+    except (OSError, ValueError, AttributeError):  # no file, no data yet, not a JSON object
+        return False
 
 
 def print_scores(scores: dict[int, dict[str, float]], chosen: dict[str, int]) -> None:
