@@ -113,9 +113,22 @@ def baseline(models, engine_runs):
     return outputs
 
 
+# The engine tier's longest files (about 3 to 10 minutes each on the CI machine, measured), run
+# first: two workers take one file at a time (``--dist loadfile``), so a long file taken last
+# keeps one worker busy while the other has nothing left to do.
+LONGEST_FIRST = ("test_serving_engines", "test_bench_suites", "test_serving_dtypes", "test_serving_sampling",
+                 "test_serving_adaptive_length", "test_serving_load")
+
+
+def longest_first(item) -> int:
+    name = item.path.stem
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA (``bash scripts/test_gpu.sh`` on a GPU machine): skipped
-    where torch sees no GPU."""
+    """The longest files first, each file's tests in their order. Tests marked ``gpu`` need
+    CUDA (``bash scripts/test_gpu.sh`` on a GPU machine): skipped where torch sees no GPU."""
+    items.sort(key=longest_first)  # stable: the other files keep their order
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if gpu:
         import torch

@@ -188,25 +188,27 @@ def test_serve_times_vllms_own_client_against_servers_as_users_start_them(tmp_pa
 
 def test_stop_at_eos_ends_replies_where_the_model_ends_its_answer(tmp_path):
     """``--stop-at-eos`` on the embedded demo target (a real chat model, which ends its answers):
-    the acceptance suite of two ``--categories`` in float32 (``--dtype``), eager, and at least one reply
-    ends before --max-tokens, which ignore_eos (the default, every reply exactly --max-tokens)
-    never does. Prompt lookup's greedy replies are the target's own, as the report says."""
-    out, max_tokens = tmp_path / "out", 192
+    the acceptance suite of two ``--categories`` at T=0 (``--temperatures``) in float32
+    (``--dtype``), eager. The first instruction and summarization prompts' greedy answers end
+    after 67 and 55 tokens (transformers, float32), so each reply ends before --max-tokens,
+    which ignore_eos (the default, every reply exactly --max-tokens) never does. Prompt lookup's
+    greedy replies are the target's own, as the report says."""
+    out, max_tokens, categories = tmp_path / "out", 96, ("instruction", "summarization")
     cmd = [sys.executable, "-m", "bench", "acceptance", "--stop-at-eos", "--out", str(out), "--methods", "none,ngram",
-           "--categories", "chat,math", "--prompts-per-category", "1", "--max-tokens", str(max_tokens),
-           "--dtype", "float32", "--eager"]
+           "--categories", ",".join(categories), "--prompts-per-category", "1", "--max-tokens", str(max_tokens),
+           "--temperatures", "0", "--dtype", "float32", "--eager"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=IN_PROCESS)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
-    assert results["config"]["ignore_eos"] is False and results["config"]["categories"] == ["chat", "math"]
+    assert results["config"]["ignore_eos"] is False and results["config"]["categories"] == list(categories)
     rows = {(r["method"], r["category"], r["temperature"]): r for r in results["runs"]}
-    assert sorted(rows) == sorted((m, c, t) for m in ("none", "ngram") for c in ("chat", "math") for t in (0.0, 1.0))
+    assert sorted(rows) == sorted((m, c, 0.0) for m in ("none", "ngram") for c in categories)
     assert {r["dtype"] for r in rows.values()} == {"float32"}
-    assert 0 < min(r["output_tokens"] for r in rows.values()) < max_tokens
-    assert [rows["ngram", c, 0.0]["same_replies"] for c in ("chat", "math")] == [1, 1]
-    assert rows["ngram", "chat", 0.0]["drafts"] + rows["ngram", "math", 0.0]["drafts"] > 0
+    assert 0 < max(r["output_tokens"] for r in rows.values()) < max_tokens
+    assert [rows["ngram", c, 0.0]["same_replies"] for c in categories] == [1, 1]
+    assert sum(rows["ngram", c, 0.0]["drafts"] for c in categories) > 0
     report = (out / "report.md").read_text()
-    assert "(--stop-at-eos)" in report and "| ngram | 4 | 0 | math | float32 |" in report
+    assert "(--stop-at-eos)" in report and "| ngram | 4 | 0 | summarization | float32 |" in report
 
 
 @pytest.mark.parametrize("argv, message", [(["--methods", "none,edsd-fancy"], "unknown method(s) edsd-fancy"),

@@ -17,7 +17,7 @@ from support.engine_checks import (
 from support.engine_runs import greedy_phase, llama_edsd_eager, serve_fitted
 from support.prompts import PROMPTS
 
-from vllm_edsd.methods.edsd.config import LAYERNORM, RMSNORM, TOKEN_NORMS
+from vllm_edsd.methods.edsd.config import LAYERNORM, RMSNORM
 
 K = 4
 
@@ -59,10 +59,10 @@ PARITY_PROMPTS, PARITY_TOKENS = PROMPTS[:3], 32
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-# Every token norm, folded and not, at TP=1; at TP=2 each norm once and each folding once
-# (an engine start with two workers costs about a minute on the CI machine).
-PARITY_CASES = [(norm, folded, 1) for norm in TOKEN_NORMS for folded in (False, True)] + [
-    (RMSNORM, False, 2), (LAYERNORM, True, 2)]
+# Every pair of token norm, folding and tensor parallelism, each engine start a different triple
+# (an engine start costs half a minute to a minute on the CI machine): each norm folded and
+# not, each at TP=1 and TP=2, and each folding at both.
+PARITY_CASES = [(RMSNORM, True, 1), (LAYERNORM, False, 1), (RMSNORM, False, 2), (LAYERNORM, True, 2)]
 
 
 @pytest.mark.parametrize(("norm", "folded", "tp"), PARITY_CASES,
