@@ -81,11 +81,11 @@ def run(options: SelectOptions) -> dict:
 
 def calibration(options: SelectOptions) -> dict:
     """What EDSelect ran on, as its JSON records it: the calibration file's name and digest (or
-    ShareGPT and the seed), the samples asked for and the length given. A choice recorded with
-    other calibration is stale (``chosen_with``)."""
+    ShareGPT), the samples asked for, the length given and the seed (of ShareGPT's sample and of
+    LiDAR's perturbations). A choice recorded with other calibration is stale (``chosen_with``)."""
     source = ({"data": Path(options.data).name, "sha256": hashlib.sha256(Path(options.data).read_bytes()).hexdigest()}
-              if options.data else {"data": "sharegpt", "seed": options.seed})
-    return {**source, "samples": options.samples, "max_length": options.max_length}
+              if options.data else {"data": "sharegpt"})
+    return {**source, "samples": options.samples, "max_length": options.max_length, "seed": options.seed}
 
 
 def chosen_with(path: Path, options: SelectOptions) -> bool:
