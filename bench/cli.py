@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_edsd.errors import EDSDError
+from vllm_edsd.command import reported
 from vllm_edsd.methods.registry import EAGLE3, EDSD
 from vllm_edsd.serving.features.draft_length import DEFAULT_THRESHOLD
 
@@ -265,8 +265,5 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else list(argv))
-    try:
-        return importlib.import_module(f"bench.{SUITES[args.suite].module}").run(args)
-    except EDSDError as exc:
-        print(f"bench {args.suite}: error: {exc}", file=sys.stderr)
-        return 2
+    suite = importlib.import_module(f"bench.{SUITES[args.suite].module}")
+    return reported(f"bench {args.suite}", lambda: suite.run(args))

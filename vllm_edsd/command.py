@@ -13,7 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -21,6 +25,29 @@ from vllm_edsd.errors import EDSDError
 
 POSITIONAL = "positional"  # field metadata: the option is a positional argument of its command
 T = TypeVar("T")
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends this process as Ctrl-C does, by a ``KeyboardInterrupt``, so that every
+    ``finally`` on the way out runs and stops the servers and engines it started (Python's
+    default SIGTERM ends the process at once and leaves them running). A second SIGTERM acts
+    as before (by default it ends the process at once), as a second Ctrl-C forces a stop: where
+    the first one was lost (vLLM building an offline engine, docs/known-issues.md) the process
+    can still be stopped. Only the main thread can take signals: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, previous)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def add_parser(subparsers, command: ModuleType) -> argparse.ArgumentParser:
@@ -31,16 +58,23 @@ def add_parser(subparsers, command: ModuleType) -> argparse.ArgumentParser:
     return parser
 
 
-def invoke(command: ModuleType, args: argparse.Namespace) -> int:
-    """``command.run(args)``, with user errors and Ctrl-C as one line and an exit status."""
+def reported(label: str, work: Callable[[], int | None]) -> int:
+    """``work()``'s exit status, with user errors and Ctrl-C (or SIGTERM) as one line that
+    starts with ``label`` and an exit status of their own (2, 130), never a traceback."""
     try:
-        return int(command.run(args) or 0)
+        with sigterm_as_interrupt():
+            return int(work() or 0)
     except EDSDError as exc:
-        print(f"edsd {command.name}: error: {exc}", file=sys.stderr)
+        print(f"{label}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"edsd {command.name}: interrupted", file=sys.stderr)
+        print(f"{label}: interrupted", file=sys.stderr)
         return 130
+
+
+def invoke(command: ModuleType, args: argparse.Namespace) -> int:
+    """``command.run(args)`` as ``edsd NAME``, reported."""
+    return reported(f"edsd {command.name}", lambda: command.run(args))
 
 
 def call(command: ModuleType, argv: list[str]) -> int:

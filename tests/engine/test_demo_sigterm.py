@@ -1,4 +1,5 @@
-"""``edsd demo`` stopped by SIGTERM leaves no server child behind."""
+"""``edsd demo`` stopped by SIGTERM leaves no child behind: neither the server it started nor,
+offline, the vLLM engine's own processes (EngineCore, Worker) of an engine that is generating."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# A demo stopped while vLLM builds its engine stops only when the engine is built: vLLM's
+# EngineCore defers SIGTERM and SIGINT until then. Offline, the demo is stopped while it generates.
+FLAGS = {"server": ["--max-tokens", "4"], "offline": ["--offline", "--max-tokens", "192"]}
+
 
 def _running(process) -> bool:
     import psutil
@@ -21,34 +26,45 @@ def _running(process) -> bool:
         return False
 
 
-def test_sigterm_on_demo_leaves_no_server_child(tmp_path):
+def _started(how: str, children: list, printed: Path) -> bool:
+    """Whether the demo's server is starting, or offline, its first engine is generating."""
+    if how == "server":
+        return any("api_server" in " ".join(c.cmdline()) for c in children if c.is_running())
+    return "prompts, one at a time" in printed.read_text()
+
+
+@pytest.mark.parametrize("how", sorted(FLAGS))
+def test_sigterm_on_demo_leaves_no_child(how, tmp_path):
     import psutil
 
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
     }
-    demo = subprocess.Popen([sys.executable, "-m", "vllm_edsd.cli", "demo", "--methods", "edsd", "--max-tokens", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    printed = tmp_path / "printed.txt"  # a file, not a pipe: a child left running cannot block reading it
+    with printed.open("wb") as sink:
+        demo = subprocess.Popen([sys.executable, "-m", "vllm_edsd.cli", "demo", "--methods", "edsd", *FLAGS[how]],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env)
     parent = psutil.Process(demo.pid)
     deadline = time.time() + 300
     children: list = []
     while time.time() < deadline and demo.poll() is None:
         children = parent.children(recursive=True)
-        if any("api_server" in " ".join(c.cmdline()) for c in children if c.is_running()):
+        if _started(how, children, printed):
             break
         time.sleep(0.5)
-    assert demo.poll() is None and children, "the demo did not start its server"
-    time.sleep(5)  # the server is busy starting its engine
+    assert demo.poll() is None and children, f"the demo did not start ({how}); it printed:\n{printed.read_text()}"
+    time.sleep(5)  # the server is busy starting its engine; offline, the engine generates
     children = parent.children(recursive=True)
     demo.send_signal(signal.SIGTERM)
     try:
         demo.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        demo.kill()
-        pytest.fail(f"the demo still ran 30 s after SIGTERM; it printed:\n{demo.stdout.read().decode()}")
+        for process in [*children, demo]:  # nothing left for the tests after this one
+            process.kill()
+        pytest.fail(f"the demo still ran 30 s after SIGTERM; it printed:\n{printed.read_text()}")
     _, alive = psutil.wait_procs(children, timeout=10)
     # an orphan that PID 1 has not reaped yet is a zombie: it has stopped
     alive = [p for p in alive if _running(p)]
     assert not alive, [p.cmdline() for p in alive]
-    assert demo.returncode != 0 and "Traceback" not in demo.stdout.read().decode()
+    assert demo.returncode != 0 and "Traceback" not in printed.read_text()

@@ -161,7 +161,6 @@ def _check_replies_fit(target: str, max_tokens: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_edsd.launch.engine import speculative_config
-    from vllm_edsd.launch.server import sigterm_as_interrupt
 
     paths = demo_paths()
     if args.paths:
@@ -179,12 +178,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"target: {paths['target']}\n" + "".join(f"{m} drafter: {paths[m]}\n" for m in methods)
           + f"serving through {how}, {DEMO_DTYPE}, K={args.k}, greedy, batch size 1; one engine per method "
           f"(each takes ~1 min to start on a CPU, a few more the first time: torch.compile)\n")
-    with sigterm_as_interrupt():  # a SIGTERM stops the server or engine running, as Ctrl-C does
-        results = {"none": measure("none", paths["target"], None, args.max_tokens)}
-        for method in methods:
-            results[method] = measure(
-                method, paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
-            )
+    results = {"none": measure("none", paths["target"], None, args.max_tokens)}
+    for method in methods:
+        results[method] = measure(
+            method, paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
+        )
     shown = EDSD if EDSD in results else methods[0]
     for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
         print(f"--- [{kind}] {prompt}\n{text.strip()}\n")

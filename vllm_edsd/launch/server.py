@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -186,28 +185,6 @@ def served_spec_counters(base: str) -> SpecCounters:
 
 
 INTERRUPTED_GRACE_S = 5
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM ends this process as Ctrl-C does, by a ``KeyboardInterrupt``, so that every
-    ``finally`` on the way out runs and stops the servers and engines it started (Python's
-    default SIGTERM ends the process at once and leaves them running). Later SIGTERMs are
-    ignored while that clean-up runs. Only the main thread can take signals: elsewhere this
-    does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _group_alive(pgid: int) -> bool:
