@@ -8,7 +8,8 @@ without vLLM (``scripts/draft_layer_10k_gpu.sh``).
   checkpoint (``final``, else its last epoch) with its log, in one tar.xz cut into parts small
   enough to travel (``PART_BYTES``); weights in float16, their dtype recorded.
 - ``unpack DIR --work WORK``: the parts joined and extracted into WORK, weights back in their
-  own dtype, so that ``bench learning-curve`` finds every run trained and measures it.
+  own dtype, so that ``bench learning-curve`` finds every run trained and measures it; each
+  run is marked (``carried.json``), and the curve's report marks its row as float16-rounded.
 - ``seed DIR --work WORK``: a GPU run's data kept in the repository (answers as ``.jsonl.xz``,
   EDSelect's ``layers.json``) put into WORK where missing, so the curve's regeneration and
   EDSelect stages find them done.
@@ -27,6 +28,8 @@ from pathlib import Path
 
 from vllm_edsd.checkpoint.files import replace_file
 from vllm_edsd.errors import EDSDError
+
+from .learning_curve import CARRIED
 
 PART_BYTES = 15 << 20  # below the GPU machine's 16 MiB a file
 PACKED = "learning-curve.tar.xz"
@@ -146,6 +149,8 @@ def unpack(folder: Path, work: Path) -> dict:
         replace_file(path, lambda tmp, tensors=tensors: save_safetensors(tensors, tmp))
     for run, checkpoint in manifest["runs"].items():
         print(f"{work / run}: {checkpoint or 'no checkpoint'}")
+        if checkpoint:  # the learning curve's report says these weights went through float16
+            (work / run / CARRIED).write_text(json.dumps({"weights_rounded_to": "float16"}) + "\n")
     return manifest
 
 

@@ -36,6 +36,7 @@ from .machine import describe, machine
 from .offline import CATEGORIES, generate, load_prompts
 
 METHODS = (EDSD, EAGLE3)
+CARRIED = "carried.json"  # in a run unpacked by ``bench.gpu_runs``: its weights went through float16
 SAVE_EVERY = 100  # batches: on a CPU an epoch of the largest point takes about an hour; resume loses less
 
 
@@ -150,6 +151,7 @@ def point(plan, method: str, size: int, args: argparse.Namespace, feature_layers
             "positions": log[-1]["positions_trained"],
             "train_wall_s": round(sum(e["wall_s"] for e in log), 1),
             "train_acc_per_step": [round(a, 4) for a in log[-1]["acc_per_step"]],
+            **(json.loads((drafter.parent / CARRIED).read_text()) if (drafter.parent / CARRIED).is_file() else {}),
             **measure(drafter, method, plan, args)}
 
 
@@ -176,6 +178,11 @@ def point_command(results: dict, point: dict) -> str:
     return point.get("command", results["command"])
 
 
+def rounded(point: dict) -> bool:
+    """Whether the point's drafter was carried from a GPU machine with its weights in float16."""
+    return point.get("weights_rounded_to") == "float16"
+
+
 def render(results: dict) -> str:
     """report.md: one row per point; when the points come from several runs (an ablation beside
     the main curve), a numbered list of their commands and a column naming each row's."""
@@ -185,15 +192,16 @@ def render(results: dict) -> str:
     several = len(runs) > 1
     lines = [f"# Learning curve: served τ (K={results['k']}, T=0) against training positions", "",
              f"Command: `{runs[0]}`  " if not several else f"Commands: the {len(runs)} runs listed below the table.  ",
-             f"Machine: {describe(results['machine'])}; drafters trained in float32, target served in "
-             f"{rows[0]['dtype']}.  ",
+             f"Machine: {describe(results['machine'])}; drafters trained in float32"
+             + (", those marked ° carried back from a GPU machine in float16" if any(map(rounded, rows)) else "")
+             + f", target served in {rows[0]['dtype']}.  ",
              f"Held out: {results['held_out']}.  ",
              f"Seen: {results.get('seen', 'not measured')}.", "",
              "| method | conversations | positions | τ | τ (sequence) | acceptance per position | τ on seen prompts "
              "| train acc (last epoch) | training wall time |" + (" run |" if several else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if several else "")]
     for r, command in zip(rows, commands):
-        name = r["method"] + (f" `{r['variant']}`" if r.get("variant") else "")
+        name = r["method"] + (f" `{r['variant']}`" if r.get("variant") else "") + (" °" if rounded(r) else "")
         sequence = f"{r['tau_sequence']:.3f}" if r.get("tau_sequence") else "-"
         lines.append(f"| {name} | {r['conversations']} | {r['positions']:,} | {r['tau']:.3f} | {sequence} | "
                      + " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])

@@ -133,7 +133,11 @@ def test_learning_curve_report_and_plot(tmp_path):
     results = {"command": "python -m bench learning-curve --out x", "machine": LEARNING_CURVE_MACHINE, "k": 4,
                "held_out": "the bench's prompts", "seen": "the first 20 training prompts", "points": points}
     table = render(results)
-    assert "CPU X (avx2), 2 cores" in table and "target served in bfloat16" in table
+    assert "CPU X (avx2), 2 cores" in table and "target served in bfloat16" in table and "°" not in table
+    points[1]["weights_rounded_to"] = "float16"  # carried back from a GPU machine (bench.gpu_runs unpack)
+    rounded = render(results)
+    assert "drafters trained in float32, those marked ° carried back from a GPU machine in float16" in rounded
+    assert "| eagle3 ° | 720 |" in rounded and rounded.count("°") == 2
     assert "| edsd | 720 | 108,000 | 2.020 | 1.900 | 0.20 / 0.05 / 0.01 / 0.00 | 2.220 | 0.50 | 11.2 min |" in table
     assert "| eagle3 | 64 | 9,600 | 1.264 | - | 0.20 / 0.05 / 0.01 / 0.00 | - | 0.50 | 1.0 min |" in table
     assert "Seen: the first 20 training prompts." in table and table.count("| eagle3 |") == 2

@@ -56,6 +56,7 @@ def test_pack_unpack_round_trip(tmp_path, monkeypatch):
         assert tensors["w"].dtype == torch.float32 and torch.equal(tensors["w"], weight.half().float())
         assert torch.equal(tensors["ids"], torch.arange(5))
         assert (back / name / "train_log.jsonl").is_file()
+        assert json.loads((back / name / "carried.json").read_text()) == {"weights_rounded_to": "float16"}
         assert not (back / name / "training_state.pt").exists()
 
 
