@@ -83,9 +83,18 @@ def calibration(options: SelectOptions) -> dict:
     """What EDSelect ran on, as its JSON records it: the calibration file's name and digest (or
     ShareGPT), the samples asked for, the length given and the seed (of ShareGPT's sample and of
     LiDAR's perturbations). A choice recorded with other calibration is stale (``chosen_with``)."""
-    source = ({"data": Path(options.data).name, "sha256": hashlib.sha256(Path(options.data).read_bytes()).hexdigest()}
-              if options.data else {"data": "sharegpt"})
+    source = {"data": Path(options.data).name, "sha256": file_sha256(Path(options.data))} if options.data else {
+        "data": "sharegpt"}
     return {**source, "samples": options.samples, "max_length": options.max_length, "seed": options.seed}
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """The file's SHA-256, read a MiB at a time: a large regenerated data file is never held whole."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def chosen_with(path: Path, options: SelectOptions) -> bool:
