@@ -5,7 +5,7 @@
 #   bash scripts/ablations.sh                  the recipe's rows (docs/paper.md, "Ablations at 2,048 conversations")
 #   bash scripts/ablations.sh 2                their first two rows only
 #   SET=draft-layer bash scripts/ablations.sh  the draft layer's rows ("The draft layer's attention input")
-#   SET=draft-layer-10k bash scripts/ablations.sh  the token-reading layer against EAGLE-3 on all
+#   SET=draft-layer-10k bash scripts/ablations.sh  the 2k winner (token-reading + feature norm) against EAGLE-3 on all
 #                                              10,043 conversations (days on a 2-core CPU; resumes;
 #                                              on a GPU without vLLM: scripts/draft_layer_10k_gpu.sh)
 # Environment: ROW=i runs row i alone (from 0); TRAIN_EXTRA adds `edsd train` flags to every row
@@ -35,7 +35,7 @@ if [ "${SET:-recipe}" = draft-layer-10k ]; then
   [ -z "${CONVERSATIONS:-}" ] && $PYTHON -m bench.gpu_runs seed bench/results/learning-curve-draft-layer-10k-h200 \
     --work "${WORK:-$HOME/.cache/vllm-edsd/learning-curve}"
   ROWS=(
-    "edsd|--attention-reads-token"                        # q/k/v read [input_layernorm(u); token_norm(e)]
+    "edsd|--attention-reads-token --feature-norm"         # the 2,048-conversation winner (docs/paper.md)
     "eagle3|"                                             # EAGLE-3, the same recipe, data, order and steps
     "edsd|"                                               # the paper's draft layer
   )
