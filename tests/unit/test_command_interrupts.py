@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[2]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 # A command whose run() waits in a try/finally, as a stage holding a vLLM engine does.
 WAITING = textwrap.dedent("""
@@ -46,9 +47,8 @@ CALLERS = {
 
 @pytest.mark.parametrize("caller", sorted(CALLERS))
 def test_sigterm_runs_the_clean_up_and_says_interrupted(caller):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen([sys.executable, "-c", CALLERS[caller]], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
+                               stderr=subprocess.PIPE, text=True, env=ENV)
     assert process.stdout.readline().strip() == "started"
     time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
@@ -78,8 +78,7 @@ SWALLOWING = textwrap.dedent("""
 
 
 def test_a_second_sigterm_ends_a_command_that_lost_the_first():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-c", SWALLOWING], stdout=subprocess.PIPE, text=True, env=env)
+    process = subprocess.Popen([sys.executable, "-c", SWALLOWING], stdout=subprocess.PIPE, text=True, env=ENV)
     assert process.stdout.readline().strip() == "started"
     time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
