@@ -10,9 +10,9 @@ without vLLM (``scripts/draft_layer_10k_gpu.sh``).
 - ``unpack DIR --work WORK``: the parts joined and extracted into WORK, weights back in their
   own dtype, so that ``bench learning-curve`` finds every run trained and measures it; each
   run is marked (``carried.json``), and the curve's report marks its row as float16-rounded.
-- ``seed DIR --work WORK``: a GPU run's data kept in the repository (answers as ``.jsonl.xz``,
-  EDSelect's ``layers.json``) put into WORK where missing, so the curve's regeneration and
-  EDSelect stages find them done.
+- ``seed [DIR] --work WORK``: a GPU run's data kept in the repository (answers as ``.jsonl.xz``,
+  EDSelect's ``layers.json``; DIR defaults to ``KEPT_RUN``) put into WORK where missing, so the
+  curve's regeneration and EDSelect stages find them done.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .learning_curve import CARRIED
 PART_BYTES = 15 << 20  # below the GPU machine's 16 MiB a file
 PACKED = "learning-curve.tar.xz"
 MANIFEST = "manifest.json"
+KEPT_RUN = Path(__file__).parent / "results" / "learning-curve-draft-layer-10k-h200"  # the 10k answers and layers
 
 
 def curve_plan(work: Path, conversations: int | None):
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     unpacking.add_argument("folder", type=Path)
     unpacking.add_argument("--work", type=Path, required=True)
     seeding = verbs.add_parser("seed", help="a GPU run's kept data into a work directory")
-    seeding.add_argument("folder", type=Path)
+    seeding.add_argument("folder", type=Path, nargs="?", default=KEPT_RUN,
+                         help=f"the kept run (default: {KEPT_RUN.relative_to(Path(__file__).parent.parent)})")
     seeding.add_argument("--work", type=Path, required=True)
     args = parser.parse_args(argv)
     try:

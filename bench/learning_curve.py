@@ -151,8 +151,15 @@ def point(plan, method: str, size: int, args: argparse.Namespace, feature_layers
             "positions": log[-1]["positions_trained"],
             "train_wall_s": round(sum(e["wall_s"] for e in log), 1),
             "train_acc_per_step": [round(a, 4) for a in log[-1]["acc_per_step"]],
-            **(json.loads((drafter.parent / CARRIED).read_text()) if (drafter.parent / CARRIED).is_file() else {}),
+            **carried_marks(drafter.parent),
             **measure(drafter, method, plan, args)}
+
+
+def carried_marks(run: Path) -> dict:
+    """What ``bench.gpu_runs unpack`` recorded about a carried run's weights; nothing for a run
+    trained here."""
+    marks = run / CARRIED
+    return json.loads(marks.read_text()) if marks.is_file() else {}
 
 
 def same_point(a: dict, b: dict) -> bool:

@@ -32,8 +32,7 @@ if [ "${SET:-recipe}" = draft-layer-10k ]; then
   [ -n "${CONVERSATIONS:-}" ] && DATA=(--chat-prompts "$CONVERSATIONS" --code-prompts 0 --sizes "$CONVERSATIONS")  # a trial
   LAYERS=1,20,29
   # the target's answers and EDSelect's layers from a GPU run (its report), not answered again
-  [ -z "${CONVERSATIONS:-}" ] && $PYTHON -m bench.gpu_runs seed bench/results/learning-curve-draft-layer-10k-h200 \
-    --work "${WORK:-$HOME/.cache/vllm-edsd/learning-curve}"
+  [ -z "${CONVERSATIONS:-}" ] && $PYTHON -m bench.gpu_runs seed --work "${WORK:-$HOME/.cache/vllm-edsd/learning-curve}"
   ROWS=(
     "edsd|--attention-reads-token --feature-norm"         # the 2,048-conversation winner (docs/paper.md)
     "eagle3|"                                             # EAGLE-3, the same recipe, data, order and steps

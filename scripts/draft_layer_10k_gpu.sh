@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The draft layer's rows at 10,043 conversations (`SET=draft-layer-10k` of scripts/ablations.sh)
 # trained on one CUDA GPU that has torch and transformers but no vLLM (a lent GPU machine, whose
-# time is short). The target's answers and EDSelect's layers kept in the repository (KEPT) are
+# time is short). The target's answers and EDSelect's layers kept in the repository (`bench.gpu_runs seed`) are
 # used; without them the target answers the prompts in parallel slices (the same cache keys as
 # one run) and EDSelect runs once. The first row extracts the features, then the three rows train
 # side by side. At DEADLINE seconds the rows stop. The data, EDSelect's layers and each row's
@@ -20,7 +20,6 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 WORK=${WORK:-$HOME/.cache/vllm-edsd/learning-curve}
 PY=${PYTHON:-python3}
-KEPT=bench/results/learning-curve-draft-layer-10k-h200  # the answers and EDSelect's layers of an earlier run
 if [ "${1:-}" = unpack ]; then
   exec "$PY" -m bench.gpu_runs unpack "${2:?the folder the GPU run packed}" --work "$WORK"
 fi
@@ -34,7 +33,7 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 mkdir -p "$WORK" "$PACK"
 [ -n "${PROMPTS:-}" ] && cp "$PROMPTS" "$WORK/"
-[ -z "${CONVERSATIONS:-}" ] && "$PY" -m bench.gpu_runs seed "$KEPT" --work "$WORK"
+[ -z "${CONVERSATIONS:-}" ] && "$PY" -m bench.gpu_runs seed --work "$WORK"
 target=$("$PY" -c "from vllm_edsd.demo.target import demo_target; print(demo_target())") || exit 1
 echo "target $target ($((SECONDS - started)) s)"
 

@@ -87,3 +87,12 @@ def test_seed_puts_kept_data_where_missing(tmp_path):
     assert gpu_runs.seed(kept, work) == [] and (work / "layers.json").read_text() == "mine"
     with pytest.raises(EDSDError, match="no such folder"):
         gpu_runs.seed(tmp_path / "nowhere", work)
+
+
+def test_seed_defaults_to_the_kept_10k_run(tmp_path):
+    """Without a folder, ``seed`` puts the repository's kept 10k answers and layers into the work
+    directory: the names the draft-layer-10k curve looks for."""
+    work, answers = tmp_path / "work", "regenerated-8070chat-1973code-192tokens-seed0.jsonl"
+    assert gpu_runs.main(["seed", "--work", str(work)]) == 0
+    assert sorted(p.name for p in work.iterdir()) == ["layers.json", answers]
+    assert sum(1 for _ in (work / answers).open()) == 10043
