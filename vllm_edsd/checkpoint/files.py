@@ -328,6 +328,15 @@ def atomic_directory(
         raise
 
 
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """The file's SHA-256, read a MiB at a time: a large data or weight file is never held whole."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def replace_file(path: str | Path, write: Callable[[Path], None]) -> None:
     """``write(tmp)`` to a fresh sibling, then rename it onto ``path``: readers see the old file
     or the new one, never a partial one, and concurrent writers do not share a temporary name."""

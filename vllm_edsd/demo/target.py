@@ -10,7 +10,6 @@ model, not the original bf16 release.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import os
 import sys
@@ -47,11 +46,9 @@ def gguf_path(distribution: str = DISTRIBUTION) -> Path:
 
 def content_key(path: Path) -> str:
     """First 16 hex digits of the file's SHA-256."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
+    from vllm_edsd.checkpoint.files import file_sha256  # imports torch: not at this light module's import
+
+    return file_sha256(path)[:16]
 
 
 def demo_target() -> Path:

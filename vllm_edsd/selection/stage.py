@@ -4,12 +4,11 @@ scores and the choice written as JSON."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_edsd.checkpoint.files import replace_file
+from vllm_edsd.checkpoint.files import file_sha256, replace_file
 from vllm_edsd.checkpoint.target import LAYER_INPUT, sequence_length
 from vllm_edsd.command import POSITIONAL
 from vllm_edsd.data import load_conversations, load_sharegpt, render_many
@@ -86,15 +85,6 @@ def calibration(options: SelectOptions) -> dict:
     source = {"data": Path(options.data).name, "sha256": file_sha256(Path(options.data))} if options.data else {
         "data": "sharegpt"}
     return {**source, "samples": options.samples, "max_length": options.max_length, "seed": options.seed}
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    """The file's SHA-256, read a MiB at a time: a large regenerated data file is never held whole."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def chosen_with(path: Path, options: SelectOptions) -> bool:
