@@ -39,9 +39,13 @@ KEPT_RUN = Path(__file__).parent / "results" / "learning-curve-draft-layer-10k-h
 
 def curve_plan(work: Path, conversations: int | None):
     """The learning curve's plan for the draft-layer-10k data (or a trial's ``conversations``)."""
+    from vllm_edsd.demo import build
+    from vllm_edsd.pipeline.config import read_toml
+
     from .learning_curve import demo_plan
 
-    chat, code = (conversations, 0) if conversations else (8070, 1973)
+    recipe = read_toml(build.PIPELINE)["data"]  # the demo's data: every usable conversation of the wheel
+    chat, code = (conversations, 0) if conversations else (recipe["sharegpt_chat"], recipe["sharegpt_code"])
     args = argparse.Namespace(work=str(work), device="cuda", chat_prompts=chat, code_prompts=code)
     return demo_plan(args, chat + code)
 

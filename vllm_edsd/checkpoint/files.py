@@ -328,13 +328,19 @@ def atomic_directory(
         raise
 
 
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    """The file's SHA-256, read a MiB at a time: a large data or weight file is never held whole."""
+def file_hash(path: Path, chunk: int = 1 << 20):
+    """A SHA-256 fed the file a MiB at a time (a large data or weight file is never held whole),
+    open to more input from the caller."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(chunk):
             digest.update(block)
-    return digest.hexdigest()
+    return digest
+
+
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, in hex."""
+    return file_hash(path).hexdigest()
 
 
 def replace_file(path: str | Path, write: Callable[[Path], None]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_edsd.checkpoint.files import finished_checkpoint
+from vllm_edsd.checkpoint.files import file_hash, finished_checkpoint
 from vllm_edsd.command import command_line
 from vllm_edsd.conversion.stage import ConvertOptions
 from vllm_edsd.errors import EDSDError
@@ -117,7 +117,7 @@ class Plan:
             return self.work / (f"regenerated-{data.sharegpt_chat}chat-{data.sharegpt_code}code-"
                                 f"{tokens}tokens-seed{data.seed}.jsonl")
         source = Path(data.file)
-        digest = hashlib.sha256(source.read_bytes() if source.is_file() else b"")
+        digest = file_hash(source) if source.is_file() else hashlib.sha256()
         digest.update(str(self.train.max_samples).encode())
         return self.work / f"regenerated-{source.stem}-{digest.hexdigest()[:12]}-{tokens}tokens.jsonl"
 
