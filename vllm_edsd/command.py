@@ -92,6 +92,26 @@ def options_from(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
                   for f in dataclasses.fields(cls) if f.init})
 
 
+def add_stage_start(parser: argparse.ArgumentParser, doc: str | None, epilog: str) -> None:
+    """What every stage subcommand's parser starts with: its module's docstring as the
+    description, its examples as the epilog, and the target model as the first argument."""
+    parser.description = doc
+    parser.epilog = epilog
+    parser.add_argument("target", help="target model directory (transformers format)")
+
+
+def stage_run(options: Callable[[argparse.Namespace], T],
+              stage: Callable[[T], Any]) -> Callable[[argparse.Namespace], int]:
+    """A stage subcommand's ``run(args)``: its ``options(args)`` (the stage's dataclass, which
+    ``command_line`` writes back as this command), then the stage."""
+
+    def run(args: argparse.Namespace) -> int:
+        stage(options(args))
+        return 0
+
+    return run
+
+
 def defaults(cls: type) -> dict[str, Any]:
     """The defaults of the stage options ``cls``, for its subcommand's parser
     (``parser.set_defaults``): the dataclass is where a stage's defaults are written."""

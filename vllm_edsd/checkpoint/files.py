@@ -338,11 +338,6 @@ def file_hash(path: Path, chunk: int = 1 << 20):
     return digest
 
 
-def file_sha256(path: Path) -> str:
-    """The file's SHA-256, in hex."""
-    return file_hash(path).hexdigest()
-
-
 def replace_file(path: str | Path, write: Callable[[Path], None]) -> None:
     """``write(tmp)`` to a fresh sibling, then rename it onto ``path``: readers see the old file
     or the new one, never a partial one, and concurrent writers do not share a temporary name."""

@@ -6,7 +6,7 @@ import argparse
 
 from vllm_edsd.checkpoint.files import SUPPORTED_DTYPES
 from vllm_edsd.checkpoint.target import LAYER_ID_CONVENTIONS
-from vllm_edsd.command import defaults, options_from
+from vllm_edsd.command import defaults, options_from, stage_run
 from vllm_edsd.methods.edsd.config import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 
 from .stage import ConvertOptions
@@ -68,6 +68,4 @@ def options(args: argparse.Namespace) -> ConvertOptions:
     return options_from(ConvertOptions, args)
 
 
-def run(args: argparse.Namespace) -> int:
-    convert(options(args))
-    return 0
+run = stage_run(options, convert)

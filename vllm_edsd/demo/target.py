@@ -46,9 +46,9 @@ def gguf_path(distribution: str = DISTRIBUTION) -> Path:
 
 def content_key(path: Path) -> str:
     """First 16 hex digits of the file's SHA-256."""
-    from vllm_edsd.checkpoint.files import file_sha256  # imports torch: not at this light module's import
+    from vllm_edsd.checkpoint.files import file_hash  # imports torch: not at this light module's import
 
-    return file_sha256(path)[:16]
+    return file_hash(path).hexdigest()[:16]
 
 
 def demo_target() -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_edsd.command import defaults, options_from
+from vllm_edsd.command import add_stage_start, defaults, options_from, stage_run
 
 from .samples import add_data_arguments, layer_ids
 from .stage import FeaturesOptions
@@ -29,9 +29,7 @@ help = "extract the target's features for training (vLLM's extraction where avai
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__
-    parser.epilog = EPILOG
-    parser.add_argument("target", help="target model directory (transformers format)")
+    add_stage_start(parser, __doc__, EPILOG)
     parser.add_argument("--cache", required=True,
                         help="the cache `edsd train --cache` reads (features go in CACHE/features)")
     parser.add_argument("--feature-layers", required=True,
@@ -45,6 +43,4 @@ def options(args: argparse.Namespace) -> FeaturesOptions:
     return options_from(FeaturesOptions, args, feature_layers=layer_ids(args.feature_layers, "--feature-layers"))
 
 
-def run(args: argparse.Namespace) -> int:
-    extract(options(args))
-    return 0
+run = stage_run(options, extract)

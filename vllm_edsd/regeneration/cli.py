@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_edsd.command import defaults, options_from
+from vllm_edsd.command import add_stage_start, defaults, options_from, stage_run
 from vllm_edsd.launch.engine import add_vllm_arguments
 
 from .answers import GENERATION_BACKENDS
@@ -32,9 +32,7 @@ help = "answer the training prompts with the target itself, through vLLM or tran
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__
-    parser.epilog = EPILOG
-    parser.add_argument("target", help="target model directory (transformers format)")
+    add_stage_start(parser, __doc__, EPILOG)
     parser.add_argument("--out", required=True, help="JSON lines of the answered conversations ({'messages': [...]})")
     parser.add_argument("--data", help="JSON/JSONL conversations whose user turns are answered (default: ShareGPT)")
     parser.add_argument("--max-samples", type=int, help="conversations to answer (default all)")
@@ -53,6 +51,4 @@ def options(args: argparse.Namespace) -> RegenerateOptions:
     return options_from(RegenerateOptions, args)
 
 
-def run(args: argparse.Namespace) -> int:
-    regenerate(options(args))
-    return 0
+run = stage_run(options, regenerate)

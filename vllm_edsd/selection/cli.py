@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_edsd.command import defaults, options_from
+from vllm_edsd.command import add_stage_start, defaults, options_from, stage_run
 
 from .stage import DEFAULT_MAX_LENGTH, SelectOptions
 from .stage import run as select
@@ -24,8 +24,7 @@ help = "EDSelect: score every target layer and pick the two aux layers"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
-    parser.add_argument("target", help="target model directory (transformers format)")
+    add_stage_start(parser, __doc__, EPILOG)
     parser.add_argument("--out", required=True, help="JSON file for the per-layer scores and the chosen ids")
     parser.add_argument("--data", help="calibration conversations (default: ShareGPT)")
     parser.add_argument("--samples", type=int, help="calibration samples (default %(default)s, the paper's)")
@@ -43,6 +42,4 @@ def options(args: argparse.Namespace) -> SelectOptions:
     return options_from(SelectOptions, args)
 
 
-def run(args: argparse.Namespace) -> int:
-    select(options(args))
-    return 0
+run = stage_run(options, select)

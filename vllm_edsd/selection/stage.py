@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_edsd.checkpoint.files import file_sha256, replace_file
+from vllm_edsd.checkpoint.files import file_hash, replace_file
 from vllm_edsd.checkpoint.target import LAYER_INPUT, sequence_length
 from vllm_edsd.command import POSITIONAL
 from vllm_edsd.data import load_conversations, load_sharegpt, render_many
@@ -82,8 +82,8 @@ def calibration(options: SelectOptions) -> dict:
     """What EDSelect ran on, as its JSON records it: the calibration file's name and digest (or
     ShareGPT), the samples asked for, the length given and the seed (of ShareGPT's sample and of
     LiDAR's perturbations). A choice recorded with other calibration is stale (``chosen_with``)."""
-    source = {"data": Path(options.data).name, "sha256": file_sha256(Path(options.data))} if options.data else {
-        "data": "sharegpt"}
+    data = Path(options.data) if options.data else None
+    source = {"data": data.name, "sha256": file_hash(data).hexdigest()} if data else {"data": "sharegpt"}
     return {**source, "samples": options.samples, "max_length": options.max_length, "seed": options.seed}
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_edsd.command import defaults, options_from
+from vllm_edsd.command import add_stage_start, defaults, options_from, stage_run
 from vllm_edsd.features.samples import add_data_arguments, layer_ids
 from vllm_edsd.methods import METHODS
 from vllm_edsd.methods.edsd.config import TOKEN_NORMS
@@ -42,8 +42,7 @@ help = "EDTrain: train an EDSD drafter (or an EAGLE-3 baseline) for a target"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
-    parser.add_argument("target", help="target model directory (transformers format)")
+    add_stage_start(parser, __doc__, EPILOG)
     parser.add_argument("--out", required=True, help="run directory: checkpoints, cache, train_log.jsonl")
     parser.add_argument("--method", choices=tuple(METHODS))
     layers = parser.add_mutually_exclusive_group()
@@ -108,7 +107,4 @@ def options(args: argparse.Namespace) -> TrainOptions:
                         feature_layers=layer_ids(args.feature_layers, "--feature-layers"))
 
 
-def run(args: argparse.Namespace) -> int:
-    """``edsd train``: one process, or one rank of a torchrun (``distributed``)."""
-    train(options(args))
-    return 0
+run = stage_run(options, train)  # one process, or one rank of a torchrun (``distributed``)
