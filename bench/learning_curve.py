@@ -9,7 +9,9 @@ but the results lives under ``--work`` (default ``~/.cache/vllm-edsd/learning-cu
    excluded) answered by the target through vLLM, in resumable chunks;
 2. EDSelect's layers for EDSD (the pipeline's select stage, ``vllm_edsd.pipeline.stages``);
 3. for every size N and method: ``edsd train`` on the first N conversations with the demo
-   recipe; both methods and every size read one feature cache (shards named by content);
+   recipe, EDSD with the paper's draft layer (the recipe's switches of it off, so every point
+   and ablation keeps its meaning: ``--train-extra`` turns them on); both methods and every size
+   read one feature cache (shards named by content);
 4. τ of each drafter served by vLLM (K, greedy, ignore EOS, float32) on the bench's held-out
    prompts (five categories), batched, and on as many prompts it trained on (the gap between
    the two is what the drafter memorised); EDSD converted to vLLM's layout first.
@@ -41,9 +43,11 @@ SAVE_EVERY = 100  # batches: on a CPU an epoch of the largest point takes about 
 
 
 def demo_plan(args: argparse.Namespace, largest: int):
-    """``edsd build-demo``'s recipe (its pipeline config) with enough prompts for the largest size."""
+    """``edsd build-demo``'s recipe (its pipeline config) with enough prompts for the largest
+    size, EDSD's draft layer the paper's."""
     from vllm_edsd.demo import build
     from vllm_edsd.demo.target import demo_target
+    from vllm_edsd.methods.edsd.config import SWITCHES
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
 
@@ -55,7 +59,9 @@ def demo_plan(args: argparse.Namespace, largest: int):
     build.add_arguments(parser)
     flags = parser.parse_args(["--work", args.work, "--device", args.device,
                                "--chat-prompts", str(chat), "--code-prompts", str(code)])
-    return Plan(load_config(build.PIPELINE, build.demo_overrides(flags, demo_target())))
+    overrides = build.demo_overrides(flags, demo_target())
+    overrides["train"].update(dict.fromkeys(SWITCHES, False))
+    return Plan(load_config(build.PIPELINE, overrides))
 
 
 def train_point(plan, method: str, size: int, extra: list[str], feature_layers: tuple[int, ...] = ()) -> Path:

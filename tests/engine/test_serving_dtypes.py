@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.drafters import edsd_spec
+from support.drafters import PAPER_LAYER_EDSD, edsd_spec
 from support.engine_checks import draft_agreement, reference_chains
 from support.engine_runs import greedy_phase
 from support.prompts import PROMPTS
@@ -55,23 +55,23 @@ def demo_prompts() -> tuple[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def specforge_converted(demo_prompts, tmp_path_factory) -> str:
-    """The shipped EDSD drafter's weights as SpecForge saves an ``EdsdDraftModel`` (its names,
-    its config, layer ids counted as layer outputs), converted by ``edsd convert``: the shipped
-    drafter's tensors, each in the dtype it is shipped in, through the paper's layout."""
+    """The paper's draft layer trained for the demo target, its weights as SpecForge saves an
+    ``EdsdDraftModel`` (its names, its config, layer ids counted as layer outputs), converted by
+    ``edsd convert``: the same tensors, each in its own dtype, through the paper's layout."""
     target, _ = demo_prompts
     root = tmp_path_factory.mktemp("specforge-demo")
     shape = json.loads((Path(target) / "config.json").read_text())
     embed = torch.zeros(shape["vocab_size"], shape["hidden_size"])  # shared with the target: not saved
-    drafter = EDSDDraftModel.from_pretrained(DEMO["edsd"], embed_tokens=embed)
+    drafter = EDSDDraftModel.from_pretrained(PAPER_LAYER_EDSD, embed_tokens=embed)
     weights = SPECFORGE_EDSD.rename_from_canonical(drafter.trainable_state_dict())
     layer_ids = [i - 1 for i in drafter.config.aux_layer_ids]
     write_specforge_checkpoint(target, root / "epoch_2_step_900", target_layer_ids=layer_ids,
                                draft_vocab_size=drafter.config.draft_vocab_size, weights=weights)
     convert(root / "epoch_2_step_900", root / "served", target=target)
     served = load_file(root / "served" / "model.safetensors")
-    shipped = load_file(Path(DEMO["edsd"]) / "model.safetensors")
-    assert served.keys() == shipped.keys()
-    assert all(torch.equal(served[name].to(shipped[name].dtype), shipped[name]) for name in served)
+    trained = load_file(PAPER_LAYER_EDSD / "model.safetensors")
+    assert served.keys() == trained.keys()
+    assert all(torch.equal(served[name].to(trained[name].dtype), trained[name]) for name in served)
     return str(root / "served")
 
 
@@ -95,22 +95,20 @@ def assert_accepts_as(measured: list[float], reference: list[float], what: str) 
     assert max(gaps) <= TOLERANCE, f"K={K}: {what} {measured} against float32 {reference}"
 
 
-# EDSD in float16 is served from the SpecForge checkpoint of the shipped weights (the next test):
-# the same tensors, so one float16 engine, the slowest kind on a CPU, covers both.
-@pytest.mark.parametrize(("method", "dtype"), [(m, d) for m in ("edsd", "eagle3") for d in DTYPES
-                                               if d != "float32" and (m, d) != ("edsd", "float16")])
+@pytest.mark.parametrize(("method", "dtype"), [(m, d) for m in ("edsd", "eagle3") for d in DTYPES if d != "float32"])
 def test_demo_pair_accepts_as_in_float32(demo_prompts, engine_runs, method, dtype):
     reference = per_position(demo_prompts, engine_runs, method, "float32")
     assert_accepts_as(per_position(demo_prompts, engine_runs, method, dtype), reference, dtype)
 
 
-def test_shipped_edsd_in_float16_from_a_specforge_checkpoint_accepts_as_in_float32(demo_prompts, engine_runs,
-                                                                                    specforge_converted):
-    """The paper's layout as SpecForge trains it: the shipped drafter's weights saved as a
-    SpecForge checkpoint and converted, served in float16, against the shipped one in float32."""
-    reference = per_position(demo_prompts, engine_runs, "edsd", "float32")
+def test_paper_layer_in_float16_from_a_specforge_checkpoint_accepts_as_in_float32(demo_prompts, engine_runs,
+                                                                                   specforge_converted):
+    """The paper's draft layer and layout as SpecForge trains them: real weights whose fed-back
+    state leaves float16's range, saved as a SpecForge checkpoint and converted, served in
+    float16, against the same drafter in float32."""
+    reference = per_position(demo_prompts, engine_runs, "edsd", "float32", str(PAPER_LAYER_EDSD))
     measured = per_position(demo_prompts, engine_runs, "edsd", "float16", specforge_converted)
-    assert_accepts_as(measured, reference, "the shipped weights from a SpecForge checkpoint, in float16")
+    assert_accepts_as(measured, reference, "the paper's layer from a SpecForge checkpoint, in float16")
 
 
 # The paper's draft layer in every dtype; the one whose attention also reads the token in float16.

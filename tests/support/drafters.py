@@ -6,6 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# EDSD with the paper's draft layer, trained for the demo target on 10,043 conversations (the demo's
+# drafter until the token-reading one shipped), float16, vLLM's layout: the paper's design on real
+# weights, whose fed-back state leaves float16's range (tests of float16 and of SpecForge's layout).
+PAPER_LAYER_EDSD = Path(__file__).parents[1] / "assets" / "edsd-paper-layer-10k"
+
 
 def edsd_spec(drafter, k: int = 4, **extra) -> dict:
     return {"method": "edsd", "model": str(drafter), "num_speculative_tokens": k, **extra}

@@ -1,11 +1,13 @@
 """EDSD in float16 (methods/edsd/float16_range.py, methods/edsd/range_probe.py): where the drafter's values
 leave float16's range, per draft step, and the reference drafter drafting in float16 what it
-drafts in float32, on the demo pair and on a toy target with a massive first-token activation."""
+drafts in float32, on the demo target with the paper's draft layer trained for it, and on a toy
+target with a massive first-token activation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from support.drafters import PAPER_LAYER_EDSD
 from transformers import AutoTokenizer
 
 import vllm_edsd.methods.edsd.float16_range as float16_range
@@ -15,7 +17,6 @@ from vllm_edsd.launch.transformers_target import load_target
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
 from vllm_edsd.methods.edsd.range_probe import first_beyond_float16, step_peaks, value_ranges
 
-DEMO_EDSD = "vllm_edsd/assets/demo/edsd"
 STEPS = 4
 
 
@@ -62,8 +63,8 @@ def assert_float16_drafts_as_float32(drafter: EDSDDraftModel, features: torch.Te
 
 
 @pytest.fixture(scope="module")
-def demo_pair():
-    """The demo target in float32, the shipped EDSD drafter, and one chat answered greedily."""
+def paper_layer_drafter():
+    """The demo target in float32, the paper's draft layer trained for it, and one chat answered greedily."""
     path = demo_target()
     target = load_target(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -71,16 +72,16 @@ def demo_pair():
     prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True,
                                            return_tensors="pt")["input_ids"]
     sequence = target.generate(prompt, max_new_tokens=48, do_sample=False)
-    drafter = EDSDDraftModel.from_pretrained(DEMO_EDSD, embed_tokens=target.model.embed_tokens.weight)
+    drafter = EDSDDraftModel.from_pretrained(PAPER_LAYER_EDSD, embed_tokens=target.model.embed_tokens.weight)
     layers = drafter.config.aux_layer_ids
     return drafter, run_target(target, sequence, layers).features(layers)[:, :-1], sequence[:, 1:]
 
 
-def test_demo_drafter_overflows_float16_in_edfuse_from_the_first_step(demo_pair):
-    """The shipped drafter's values, in float32: EDFuse's output passes 65,504 at the first draft
+def test_paper_layer_overflows_float16_in_edfuse_from_the_first_step(paper_layer_drafter):
+    """The paper's draft layer's values, in float32: EDFuse's output passes 65,504 at the first draft
     step, its gate reads the overflowing fed-back state from the third, and the largest value
     grows at least threefold per step."""
-    drafter, features, tokens = demo_pair
+    drafter, features, tokens = paper_layer_drafter
     ranges = value_ranges(drafter, features, tokens, STEPS)
     first = first_beyond_float16(ranges)
     assert first[0].module == "edfuse.down_proj"
@@ -89,8 +90,8 @@ def test_demo_drafter_overflows_float16_in_edfuse_from_the_first_step(demo_pair)
     assert all(later > 3 * earlier for earlier, later in zip(peaks, peaks[1:]))
 
 
-def test_demo_drafter_drafts_in_float16_what_it_drafts_in_float32(demo_pair):
-    assert_float16_drafts_as_float32(*demo_pair)
+def test_paper_layer_drafts_in_float16_what_it_drafts_in_float32(paper_layer_drafter):
+    assert_float16_drafts_as_float32(*paper_layer_drafter)
 
 
 @pytest.mark.parametrize("drafter", ["drafter", "reads-token"])

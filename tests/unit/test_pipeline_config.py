@@ -5,6 +5,7 @@ the pipeline on the demo's description, with the demo recipe's training argument
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,15 +39,32 @@ def toy(tmp_path_factory) -> dict[str, Path]:
     return {"target": make_target(root / "target"), "data": data}
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def one_thread():
     """Every run of the comparison on one CPU thread (in this process and the child): the same
     arithmetic in each, and no torch threads spinning against other work on a small machine
     (4-10x slower there)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield {**os.environ, "OMP_NUM_THREADS": "1"}
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def finished(toy, tmp_path_factory) -> Path:
+    """The toy config's work directory, its pipeline run uninterrupted on one thread."""
+    work = tmp_path_factory.mktemp("finished") / "full"
+    with one_torch_thread():
+        assert main(["pipeline", str(toy_config(toy, work))]) == 0
+    return work
 
 
 def toml_value(value) -> str:
@@ -92,9 +110,8 @@ def assert_same(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
-def test_an_interrupted_pipeline_ends_where_an_uninterrupted_one_does(toy, tmp_path, capsys, one_thread):
-    assert main(["pipeline", str(toy_config(toy, tmp_path / "full"))]) == 0
-    full = run_results(tmp_path / "full")
+def test_an_interrupted_pipeline_ends_where_an_uninterrupted_one_does(toy, finished, tmp_path, capsys, one_thread):
+    full = run_results(finished)
     assert len(full["edsd losses"]) == TRAINING["epochs"]
 
     cut = tmp_path / "cut"
@@ -303,7 +320,60 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
         cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
     eagle3 = plan.train_options("eagle3")
     assert eagle3.layers_from is None and eagle3.token_norm == TrainOptions.token_norm
+    assert not eagle3.attention_reads_token and not eagle3.feature_norm
     assert eagle3.lr_schedule == "cosine" and eagle3.weight_decay == 0
     assert plan.cfg.data.exclude == [prompt for _, prompt in DEMO_PROMPTS]
     convert = plan.convert_options()
     assert (convert.verifier, convert.dtype, convert.force) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "float16", True)
+
+
+def test_a_finished_run_is_what_its_recipe_trains_and_another_recipe_is_named(toy, finished):
+    """What ``edsd build-demo --ship-from`` checks of a run trained elsewhere: the pipeline's own
+    runs are what their options train; a changed optimizer, aux layers or draft layer is named."""
+    from vllm_edsd.pipeline.config import load_config
+    from vllm_edsd.pipeline.stages import Plan
+    from vllm_edsd.training.provenance import differences
+
+    plan = Plan(load_config(toy_config(toy, finished)))
+    for method in ("edsd", "eagle3"):
+        assert differences(finished / method, plan.train_options(method)) == []
+    other = dataclasses.replace(plan.train_options("edsd"), lr=0.5, layers=(1, 2), feature_norm=True)
+    assert differences(finished / "edsd", other) == [
+        f"lr {TRAINING['lr']!r} (the recipe's: 0.5)", "aux layers [1, 3] (the recipe's: [1, 2])",
+        "feature_norm False (the recipe's: True)"]
+    longer = dataclasses.replace(plan.train_options("eagle3"), epochs=TRAINING["epochs"] + 1)
+    assert differences(finished / "eagle3", longer) == [f"epochs {TRAINING['epochs']} (the recipe's: 6)"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ship-from", "edsd=a", "--ship-from", "eagle3=b"], "--ship-from ships runs already trained: give it with "
+                                                           "--ship, without --stop-after or --dry-run"),
+    (["--ship", "--ship-from", "medusa=a"],
+     "--ship-from medusa=a: expected METHOD=RUN with METHOD one of edsd, eagle3"),
+    (["--ship", "--ship-from", "edsd=a", "--ship-from", "edsd=b"], "--ship-from names edsd twice"),
+    (["--ship", "--ship-from", "edsd=a"], "--ship-from ships the pair: name a run for eagle3 too"),
+])
+def test_build_demo_ship_from_refuses_flags_it_cannot_honour(tmp_path, capsys, flags, message):
+    assert main(["build-demo", "--work", str(tmp_path / "work"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "work").exists()
+
+
+def test_build_demo_ships_no_run_the_demo_recipe_would_not_train(finished, tmp_path, capsys):
+    """The toy pipeline's runs are not the demo recipe's: refused with what differs, before
+    anything is written, the shipped pair untouched."""
+    from vllm_edsd.demo import ASSETS
+
+    shipped = {path: path.stat().st_mtime_ns for path in ASSETS.rglob("*")}
+    ship = ["build-demo", "--work", str(tmp_path), "--ship", "--ship-from", f"edsd={finished / 'edsd'}",
+            "--ship-from", f"eagle3={finished / 'eagle3'}"]
+    assert main(ship) == 2
+    assert f"no {tmp_path / 'layers.json'}: give as --work the runs' work directory" in capsys.readouterr().err
+    (tmp_path / "layers.json").write_text(json.dumps({"aux_layer_ids": [1, 3]}))
+    assert main([*ship[:-1], f"eagle3={tmp_path / 'nowhere'}"]) == 2
+    assert f"eagle3={tmp_path / 'nowhere'}: not a finished training run" in capsys.readouterr().err
+    assert main(ship) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trained otherwise than pipeline.toml says: epochs 5 (the recipe's: 3)" in err, err
+    assert {path: path.stat().st_mtime_ns for path in ASSETS.rglob("*")} == shipped

@@ -16,18 +16,22 @@ to resume; what an interrupted stage left, such as a config.json without weights
    epochs, TTT budget, draft vocabulary; EDSD with EDSelect's layers and EDTrain, EAGLE-3 with
    vLLM's default layers and fixed TTT steps;
 6. ``convert``    the EDSD drafter to vLLM's layout (fp16), checked against the target;
-7. ``--ship``     both drafters (fp16) and their training logs into vllm_edsd/assets/demo.
+7. ``--ship``     both drafters (fp16) and their training logs into vllm_edsd/assets/demo;
+   ``--ship-from`` ships runs trained elsewhere instead (a ``bench learning-curve`` point of this
+   recipe), once each proves to be what the recipe trains.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import torch
 
+from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods import METHODS
 from vllm_edsd.pipeline.config import load_config
 from vllm_edsd.pipeline.stages import Plan, run_pipeline
@@ -59,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "  edsd build-demo --work runs/demo --device cuda  # train on a GPU\n"
                      "  edsd build-demo --work runs/demo --dry-run      # what each stage would run, what is done\n"
                      "  edsd build-demo --work runs/demo --stop-after regenerate\n"
+                     "  edsd build-demo --work W --ship --ship-from edsd=W/curve/D/edsd-10043 "
+                     "--ship-from eagle3=W/curve/D/eagle3-10043\n"
                      f"the recipe: {PIPELINE} (each flag above overrides its value)")
     add = parser.add_argument
     add("--work", required=True, help="working directory: data, caches, checkpoints, logs (reuse it to resume)")
@@ -74,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stop-after", choices=tuple(STOPS), help="stop after this stage")
     add("--dry-run", action="store_true", help="print what each stage would run and what is done")
     add("--ship", action="store_true", help="copy the drafters into the package (vllm_edsd/assets/demo)")
+    add("--ship-from", action="append", default=[], metavar="METHOD=RUN",
+        help="with --ship, once per drafter: ship the finished training run RUN (RUN/final, e.g. a `bench "
+             "learning-curve` point) instead of WORK/METHOD, if it trained as this recipe does; no stage runs")
 
 
 def demo_overrides(args: argparse.Namespace, target: Path) -> dict:
@@ -90,32 +99,76 @@ def demo_overrides(args: argparse.Namespace, target: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    named = shipped_runs(args)
     target = demo_target()
-    cfg = load_config(PIPELINE, demo_overrides(args, target))
-    run_pipeline(cfg, STOPS.get(args.stop_after), args.dry_run)
+    plan = Plan(load_config(PIPELINE, demo_overrides(args, target)))
+    if named:
+        check_trained_as_recipe(plan, named)
+    else:
+        run_pipeline(plan.cfg, STOPS.get(args.stop_after), args.dry_run)
     if args.ship and not (args.stop_after or args.dry_run):
-        plan = Plan(cfg)
-        ship(plan.work, target, plan.converted())
+        ship(plan, named or {method: plan.work / method for method in DRAFTERS})
     return 0
 
 
-def ship(work: Path, target: Path, converted: Path) -> None:
-    """Copy both drafters (fp16: EDSD's converted, the others' checkpoints as trained), EDSelect's
-    choice and the training logs into the package, with each drafter's acceptance on the demo
-    prompts (``acceptance.json``, what the tests check)."""
+def shipped_runs(args: argparse.Namespace) -> dict[str, Path]:
+    """``--ship-from``'s runs by method, checked against the other flags before anything runs."""
+    if not args.ship_from:
+        return {}
+    if not args.ship or args.stop_after or args.dry_run:
+        raise EDSDError("--ship-from ships runs already trained: give it with --ship, without --stop-after "
+                        "or --dry-run")
+    runs: dict[str, Path] = {}
+    for given in args.ship_from:
+        method, _, run = given.partition("=")
+        if method not in DRAFTERS or not run:
+            raise EDSDError(f"--ship-from {given}: expected METHOD=RUN with METHOD one of {', '.join(DRAFTERS)}")
+        if method in runs:
+            raise EDSDError(f"--ship-from names {method} twice")
+        runs[method] = Path(run)
+    missing = [method for method in DRAFTERS if method not in runs]
+    if missing:
+        raise EDSDError(f"--ship-from ships the pair: name a run for {', '.join(missing)} too")
+    return runs
+
+
+def check_trained_as_recipe(plan: Plan, runs: dict[str, Path]) -> None:
+    """Refuse a run that is not finished or that this recipe would not have trained, naming what differs."""
+    from vllm_edsd.checkpoint.files import finished_checkpoint
+    from vllm_edsd.training.provenance import differences
+
+    if any(map(plan.selects_layers, runs)) and not plan.layers_json.is_file():
+        raise EDSDError(f"--ship-from: no {plan.layers_json}: give as --work the runs' work directory, where "
+                        "EDSelect chose EDSD's layers")
+    for method, run in runs.items():
+        if not (finished_checkpoint(run / "final") and (run / "train_log.jsonl").is_file()):
+            raise EDSDError(f"--ship-from {method}={run}: not a finished training run (RUN/final and "
+                            "RUN/train_log.jsonl)")
+    for method, run in runs.items():
+        found = differences(run, plan.train_options(method))
+        if found:
+            raise EDSDError(f"--ship-from {method}={run}: trained otherwise than {PIPELINE.name} says: "
+                            + "; ".join(found))
+
+
+def ship(plan: Plan, runs: dict[str, Path]) -> None:
+    """Copy both drafters of ``runs`` (by method) into the package in float16, EDSD converted
+    as the recipe's convert stage does, with EDSelect's choice and the training logs, and each
+    drafter's acceptance on the demo prompts (``acceptance.json``, what the tests check)."""
     from vllm_edsd.checkpoint.files import atomic_directory, cast_checkpoint
+    from vllm_edsd.conversion.stage import run as convert
 
     with atomic_directory(ASSETS, force=True) as staging:
-        for method in DRAFTERS:
+        for method, run in runs.items():
             if METHODS[method].converts:
-                shutil.copytree(converted, staging / method)
+                convert(dataclasses.replace(plan.convert_options(), src=str(run / "final"), dst=str(staging / method)))
             else:
-                cast_checkpoint(work / method / "final", staging / method, torch.float16)
-            shutil.copy(work / method / "train_log.jsonl", staging / f"{method}_train_log.jsonl")
-        shutil.copy(work / "layers.json", staging / "layers.json")
+                cast_checkpoint(run / "final", staging / method, torch.float16)
+            shutil.copy(run / "train_log.jsonl", staging / f"{method}_train_log.jsonl")
+        shutil.copy(plan.layers_json, staging / "layers.json")
         record = {"settings": ACCEPTANCE_CHECK}
         for method in DRAFTERS:
-            record[method] = measure_acceptance(str(target), method, str(staging / method))
+            record[method] = measure_acceptance(str(plan.target), method, str(staging / method))
             print(f"{method}: tau {record[method]['tau']:.2f} on the demo prompts")
         (staging / "acceptance.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"shipped into {ASSETS}")

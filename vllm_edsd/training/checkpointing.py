@@ -36,6 +36,13 @@ def read_state(path: Path) -> dict:
     return state
 
 
+def saved_recipe(state: dict) -> dict:
+    """The recipe a saved state trained with, every field named: a field added since the state
+    was written reads as what the run trained with (``EARLIER_RECIPE``, else its default)."""
+    defaults = {name: f.default for name, f in Recipe.__dataclass_fields__.items()}
+    return {**defaults, **EARLIER_RECIPE, **state["recipe"]}
+
+
 def rank_state(shuffle: torch.Tensor, sums: dict | None = None) -> dict:
     """What makes this rank's rest of the run exact after a resume: its shuffling generator's
     state at the start of the epoch in progress (or the next), its RNG states now, and within
@@ -72,10 +79,9 @@ class Progress:
 def resume(state_path: Path, fitter: Fitter, generator: torch.Generator, world: World) -> Progress:
     """Where the saved run stops, with the model, optimizer and this rank's shuffling and RNG
     states as saved: after the last finished epoch, or ``--save-every`` batches into the next."""
-    state, recipe = read_state(state_path), fitter.recipe
+    state = read_state(state_path)
     check_parallelism(state, state_path.parent, world)
-    defaults = {name: f.default for name, f in Recipe.__dataclass_fields__.items()}
-    if {**defaults, **EARLIER_RECIPE, **state["recipe"]} != asdict(recipe):  # a field added since: as trained
+    if saved_recipe(state) != asdict(fitter.recipe):
         raise EDSDError(f"{state_path.parent}: holds an interrupted run with a different recipe; use another --out")
     fitter.load_full_state(state)
     own = state["ranks"][world.rank] if world.size > 1 else state

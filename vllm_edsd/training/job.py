@@ -20,7 +20,6 @@ from vllm_edsd.features.samples import (
 )
 from vllm_edsd.features.shards import aux_columns
 from vllm_edsd.launch.transformers_target import load_target
-from vllm_edsd.methods import method
 
 from .distributed import SINGLE, World
 from .draft_vocab import answer_token_counts, build_vocab_mapping
@@ -94,13 +93,7 @@ def prepare(options: TrainOptions, world: World = SINGLE, device: str | None = N
     model = build_model(options, target_model, cfg_raw, layers, d2t, t2d).to(device)
     # Only the draft vocabulary's rows (in draft-id order: d2t keeps target ids ascending) are read.
     draft_head = target_model.get_output_embeddings().weight.detach()[torch.nonzero(t2d).flatten()].float()
-    recipe = Recipe(method=options.method, epochs=options.epochs, max_ttt_steps=options.ttt_steps,
-                    reading=options.edtrain_reading, gamma=options.gamma,
-                    mask_p=method(options.method).curriculum and not options.no_mask_p,
-                    step_n=method(options.method).curriculum and not options.no_step_n,
-                    lr=options.lr, lr_schedule=options.lr_schedule, warmup=options.warmup,
-                    weight_decay=options.weight_decay,
-                    batch_size=options.batch_size, seed=options.seed, feature_noise=options.feature_noise)
+    recipe = Recipe.from_options(options)
     if world.main:
         if skipped:
             print(f"skipped {skipped} of {read} conversations: the chat template does not render "

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from vllm_edsd.methods import method
 from vllm_edsd.methods.registry import EDSD
 
 from .curriculum import READINGS
+
+if TYPE_CHECKING:
+    from .options import TrainOptions
 
 LR_SCHEDULES = ("cosine", "constant")
 
@@ -32,6 +37,17 @@ class Recipe:
     grad_clip: float = 0.5
     seed: int = 0
     feature_noise: float = 0.0  # Gaussian noise on the target features, relative to each layer's RMS
+
+    @classmethod
+    def from_options(cls, options: TrainOptions) -> Recipe:
+        """The recipe ``edsd train`` runs with these options (EDTrain's curriculum where the method has one)."""
+        curriculum = method(options.method).curriculum
+        return cls(method=options.method, epochs=options.epochs, max_ttt_steps=options.ttt_steps,
+                   reading=options.edtrain_reading, gamma=options.gamma,
+                   mask_p=curriculum and not options.no_mask_p, step_n=curriculum and not options.no_step_n,
+                   lr=options.lr, lr_schedule=options.lr_schedule, warmup=options.warmup,
+                   weight_decay=options.weight_decay, batch_size=options.batch_size, seed=options.seed,
+                   feature_noise=options.feature_noise)
 
     def percent(self, epoch: int) -> float:
         return READINGS[self.reading].mask_percent(epoch, self.epochs, self.gamma) if self.mask_p else 0.0
