@@ -301,8 +301,9 @@ def write_example(tmp_path: Path, text: str) -> Path:
 
 def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     """``pipeline.toml`` and build-demo's flags give the demo drafters' training arguments: the
-    recipe of docs/paper.md's ablations, all 10,043 conversations, saved every 100 batches, the
-    epochs from the flag; EAGLE-3 gets the same optimizer and none of EDSD's architecture."""
+    recipe of docs/paper.md's ablations with both changes of EDSD's draft layer, all 10,043
+    conversations, saved every 100 batches, the epochs from the flag; EAGLE-3 gets the same
+    optimizer and none of EDSD's architecture."""
     from vllm_edsd.demo import DEMO_PROMPTS, build
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
@@ -316,8 +317,8 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     assert plan.train_options("edsd") == TrainOptions(
         target=str(toy["target"]), out=str(tmp_path / "edsd"), method="edsd", layers_from=str(tmp_path / "layers.json"),
         data=data, epochs=2, ttt_steps=4, lr=0.001, lr_schedule="cosine", weight_decay=0, token_norm="layernorm",
-        draft_vocab_size=4096, max_length=448, batch_size=8, seed=0, device="cpu", save_every=100,
-        cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
+        attention_reads_token=True, feature_norm=True, draft_vocab_size=4096, max_length=448, batch_size=8, seed=0,
+        device="cpu", save_every=100, cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
     eagle3 = plan.train_options("eagle3")
     assert eagle3.layers_from is None and eagle3.token_norm == TrainOptions.token_norm
     assert not eagle3.attention_reads_token and not eagle3.feature_norm
