@@ -26,10 +26,20 @@ def _running(process) -> bool:
         return False
 
 
+def _command_line(process) -> str:
+    """The process's command line; empty for one that exited, or turned zombie, since it was listed."""
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def _started(how: str, children: list, printed: Path) -> bool:
     """Whether the demo's server is starting, or offline, its first engine is generating."""
     if how == "server":
-        return any("api_server" in " ".join(c.cmdline()) for c in children if c.is_running())
+        return any("api_server" in _command_line(c) for c in children)
     return "prompts, one at a time" in printed.read_text()
 
 
@@ -66,5 +76,5 @@ def test_sigterm_on_demo_leaves_no_child(how, tmp_path):
     _, alive = psutil.wait_procs(children, timeout=10)
     # an orphan that PID 1 has not reaped yet is a zombie: it has stopped
     alive = [p for p in alive if _running(p)]
-    assert not alive, [p.cmdline() for p in alive]
+    assert not alive, [_command_line(p) for p in alive]
     assert demo.returncode != 0 and "Traceback" not in printed.read_text()
