@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
+from typing import NoReturn
 
 from vllm_edsd.command import add_parser, invoke
 
@@ -68,5 +71,25 @@ def main(argv: list[str] | None = None) -> int:
     return invoke(importlib.import_module(COMMANDS[args.command]), args)
 
 
+def console() -> NoReturn:
+    """The ``edsd`` executable and ``python -m vllm_edsd``: ``main`` with its status as the exit
+    status. A data-parallel rank (torchrun sets ``WORLD_SIZE``) leaves with ``os._exit`` once its
+    output is flushed, skipping the interpreter's teardown: torch's gloo worker threads outlive
+    ``destroy_process_group`` (FSDP and ``torch.distributed.nn`` keep the group alive), and one
+    still releasing the last collective's tensors when the teardown starts cannot take the GIL,
+    which aborts the rank after a finished run (SIGABRT, docs/scale.md)."""
+    if os.environ.get("WORLD_SIZE", "1") in ("", "0", "1"):
+        sys.exit(main())
+    try:
+        status = main()
+    except SystemExit as exc:  # argparse's usage errors and --help
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # a crash: its traceback, then the same quick exit
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
