@@ -105,7 +105,7 @@ def torchrun(setup: dict, out: Path, *extra, **interrupt) -> subprocess.Complete
            "--master-port", str(free_port()),  # not torchrun's fixed default: other runs may be beside it
            "--log-dir", str(out) + "-ranks", "--redirects", "3", "-m", "vllm_edsd", *train_args(setup, out, *extra)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    teardown = out.parent / "teardown"
+    teardown = Path(env["EDSD_TEARDOWN_LOG"])
     assert not teardown.exists(), f"a rank tore down its interpreter with gloo running:\n{teardown.read_text()}"
     return done
 
