@@ -89,19 +89,29 @@ def test_llama3_rope_drafts_match_reference_model(models, parity_drafters, engin
 def test_token_reading_drafts_match_reference_model(models, parity_drafters, engine_runs, baseline, tp):
     """The draft layer whose attention also reads the token, with EDFuse's gate reading the
     normed feature (``attention_reads_token``, ``feature_norm``): vLLM's chains are the
-    reference's, also with the wider q/k/v projection sharded over two ranks."""
+    reference's, also with the wider q/k/v projection sharded over two ranks. At TP=2 the drafts
+    come from vLLM's local argmax reduction (``use_local_argmax_reduction``), which calls the
+    EDSD model's ``get_top_tokens``: each rank's argmax over its shard of the draft vocabulary."""
     served, source = parity_drafters["reads-token"]
-    check_parity(models, engine_runs, baseline, served, source, f"parity-reads-token-tp{tp}", tp, specforge=False)
+    check_parity(models, engine_runs, baseline, served, source, f"parity-reads-token-tp{tp}", tp, specforge=False,
+                 use_local_argmax_reduction=tp == 2)
 
 
-def check_parity(models, engine_runs, baseline, served: str, source: str, key: str, tp: int, specforge: bool) -> None:
+def check_parity(models, engine_runs, baseline, served: str, source: str, key: str, tp: int, specforge: bool,
+                 use_local_argmax_reduction: bool = False) -> None:
+    extra = {"use_local_argmax_reduction": True} if use_local_argmax_reduction else {}
     job = {
         "target": models["llama"],
-        "speculative_config": edsd_spec(served),
+        "speculative_config": edsd_spec(served, **extra),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32", "tensor_parallel_size": tp},
         "phases": [greedy_phase("parity", PARITY_PROMPTS, max_tokens=PARITY_TOKENS, record_proposals=True)],
     }
-    phase = engine_runs(key, job, env=TP2_ENV if tp == 2 else None)["phases"]["parity"]
+    run = engine_runs(key, job, env=TP2_ENV if tp == 2 else None)
+    # the drafts are argmaxed in the draft vocabulary, on every rank: by the plugin's hook
+    # (serving/draft_vocab.py), or by vLLM's local argmax reduction through the model's get_top_tokens
+    expected = "method" if use_local_argmax_reduction else "DraftVocabArgmax"
+    assert run["greedy_samplers"] == [expected] * tp, run["greedy_samplers"]
+    phase = run["phases"]["parity"]
     assert phase["outputs"] == [out[:PARITY_TOKENS] for out in baseline("llama")[:3]]
     chains_for = reference_chains(models["llama"], source, specforge)
     assert assert_drafts_match(PARITY_PROMPTS, phase, chains_for, K) >= 3 * 8

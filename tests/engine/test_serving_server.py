@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 from support.engine_checks import assert_counters_match, predicted_counters
-from support.engine_runs import serve_fitted
+from support.engine_runs import assert_no_traceback, serve_fitted
 from support.servers import SERVER_ARGS, answer_token_ids, completion_body, completion_token_ids, processes_with
 
 from vllm_edsd.errors import EDSDError
@@ -33,6 +33,7 @@ def server(trained, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     with running_server(trained["target"], spec, extra_args=SERVER_ARGS, log_path=log) as base:
         yield base
+        assert_no_traceback(log, "the EDSD server, while serving")
 
 
 def counters(base: str):

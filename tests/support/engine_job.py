@@ -91,6 +91,12 @@ def _take_forwards(worker) -> int:
     return forwards
 
 
+def _greedy_sampler(worker) -> str:
+    """What the drafter's greedy sampler is: the plugin's ``DraftVocabArgmax`` where it hooked
+    the proposer (serving/draft_vocab.py), else vLLM's own method."""
+    return type(_drafter(worker)._greedy_sample).__name__
+
+
 def _take_recorded(worker) -> tuple[list, list]:
     drafter = _drafter(worker)
     recorded, drafter._edsd_recorded = drafter._edsd_recorded, []
@@ -143,6 +149,8 @@ def main(job_path: str, out_path: str) -> None:
     start = time.time()
     llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
     result = {"startup_s": time.time() - start, "phases": {}}
+    if job.get("speculative_config") and job["speculative_config"]["method"] in ("edsd", "eagle3"):
+        result["greedy_samplers"] = llm.collective_rpc(_greedy_sampler)  # one per rank
     for phase in job["phases"]:
         # One SamplingParams for the phase, or one per prompt (a list).
         sampling = phase["sampling"]

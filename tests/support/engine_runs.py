@@ -34,8 +34,23 @@ def in_process_core() -> dict[str, str]:
     return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+# What Python prints for an error nobody handled: a traceback, or a finaliser's failure.
+TRACEBACK_MARKS = ("Traceback (most recent call last)", "Exception ignored in")
+
+
+def assert_no_traceback(log_file: Path, what: str) -> None:
+    """Fail when an engine's output holds a traceback: a user who sees one cannot tell whether
+    the engine is broken, even where it went on (issue #74: a finaliser's, at engine start)."""
+    lines = log_file.read_text(errors="replace").splitlines()
+    found = [i for i, line in enumerate(lines) if any(mark in line for mark in TRACEBACK_MARKS)]
+    if found:
+        shown = "\n".join(lines[found[0]:found[0] + 30])
+        pytest.fail(f"{what} printed {len(found)} traceback(s) ({log_file}); the first:\n{shown}")
+
+
 def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
-    """Run ``engine_job.py`` on ``job``; fail the test with the engine's log on error."""
+    """Run ``engine_job.py`` on ``job``; fail the test with the engine's log on error, and on any
+    traceback in that log."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file, out_file, log_file = workdir / "job.json", workdir / "out.json", workdir / "engine.log"
     job_file.write_text(json.dumps(job))
@@ -48,6 +63,7 @@ def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
     if proc.returncode != 0:
         tail = log_file.read_text()[-6000:]
         pytest.fail(f"engine job failed (exit {proc.returncode}); log tail:\n{tail}")
+    assert_no_traceback(log_file, "the engine job")
     return json.loads(out_file.read_text())
 
 

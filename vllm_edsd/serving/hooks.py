@@ -24,7 +24,7 @@ from typing import Any
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.launch.engine import NATIVE_CPU_FLAGS, cpu_computes_natively, cpu_dtype, on_cpu
 from vllm_edsd.methods import EDSD_METHOD
-from vllm_edsd.serving import preflight
+from vllm_edsd.serving import draft_vocab, preflight
 from vllm_edsd.serving.features import draft_length, lookup
 from vllm_edsd.serving.user_errors import errors_for_the_user
 
@@ -74,7 +74,8 @@ def advise_cpu_dtype(dtype: str) -> None:
 def attach(proposer: Any) -> None:
     """Hook a loaded V1 EAGLE-family proposer with the draft-length limiter (per-request caps;
     the adaptive rule too when it drives an EDSD drafter whose config asks for it; the prompt
-    lookup where the speculative config asks for it)."""
+    lookup where the speculative config asks for it), and its greedy drafts with the argmax in
+    the draft vocabulary (``draft_vocab``)."""
     from vllm_edsd.methods.edsd.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
 
     if draft_length.limiter_of(proposer) is not None:
@@ -89,6 +90,7 @@ def attach(proposer: Any) -> None:
     prompt_lookup = lookup.PromptLookup.of(proposer.vllm_config.speculative_config)
     if prompt_lookup is not None:
         limiter.lookup = lookup.LookupDrafting(prompt_lookup)
+    draft_vocab.hook(proposer, model)
 
 
 def hooked_proposer_loading(original: Callable) -> Callable:

@@ -109,6 +109,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, draft_length.LIMITER_ATTRIBUTE,
                   "the proposer's limiter, which the runner hands each request's cap and a second load_model finds",
                   where=(f"{_LIMITER}.__init__", f"{_DRAFT_LENGTH}:limiter_of"), when=_HOOKED),
+    Patch.made_by(INSTANCE_HOOK, _PROPOSER, "_greedy_sample",
+                  "draft the argmax over the drafter's own vocabulary, mapped through d2t, instead of scattering its "
+                  "logits into the target's vocabulary first: the same token, without a row of the target's size per "
+                  "draft step", where=("vllm_edsd/serving/draft_vocab.py:hook",),
+                  when=_HOOKED[:-len(" (attach)")] + " whose drafter has a vocabulary of its own (attach)"),
     Patch.made_by(EXCEPTION, _PROPOSER, "propose",
                   "end vLLM's draft loop once no request of the batch can draft further: the sampling hook raises "
                   "StopDrafting, the propose hook catches it",

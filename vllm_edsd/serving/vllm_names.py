@@ -97,6 +97,7 @@ _FEATURES = "features/vllm_extraction.py"
 _CPU_KERNELS = "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides"
 
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+_DRAFT_VOCAB = "serving/draft_vocab.py"
 _EAGLE_PROPOSER = "vllm.v1.spec_decode.eagle:EagleProposer"  # the proposer of "eagle3", so of "edsd"
 _EXTRACTION = "without it, edsd features/train use transformers for the target's hidden states"
 _CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
@@ -130,6 +131,7 @@ PATCHED: tuple[VllmName, ...] = (
     VllmName(_PROPOSER, "_sample_draft_tokens", _LIMITER, "self, hidden_states, sampling_metadata",
              used_as=(_EAGLE_PROPOSER,)),
     VllmName(_PROPOSER, LIMITER_ATTRIBUTE, _LIMITER, absent=True, used_as=(_EAGLE_PROPOSER,)),
+    VllmName(_PROPOSER, "_greedy_sample", _DRAFT_VOCAB, "self, hidden_states", used_as=(_EAGLE_PROPOSER,)),
     # the override: vLLM's connector calls it as it calls its own
     VllmName(_CONNECTOR_CLASS, "_submit_async_write", _CONNECTOR, "self, pending", optional=_EXTRACTION),
     # config attributes on the drafter's hf_config
@@ -226,6 +228,9 @@ READ: tuple[VllmName, ...] = (
     *_of(_PROPOSER, _LIMITER, "model", "vllm_config"),
     VllmName(_PROPOSER, "use_local_argmax_reduction", _HOOKS,
              optional="read with getattr: where absent, the drafter's logits are always whole"),
+    VllmName(_PROPOSER, "use_heterogeneous_vocab", _DRAFT_VOCAB,
+             optional="read with getattr: where absent, vLLM has no heterogeneous vocabularies"),
+    *_of(_EAGLE3, _DRAFT_VOCAB, "draft_id_to_target_id", "lm_head", "logits_processor"),
     *_of("vllm.platforms:current_platform", _ENGINE, ""),
     *_of("vllm.platforms.interface:Platform", _ENGINE, ("is_cpu", "self")),
     # the draft model: a subclass of vLLM's EAGLE-3 Llama drafter, built from vLLM's layers
@@ -252,6 +257,9 @@ READ: tuple[VllmName, ...] = (
     *_of("vllm.model_executor.layers.linear:QKVParallelLinear", _MODEL,
          ("", "self, hidden_size, head_size, total_num_heads, total_num_kv_heads, bias, ..., quant_config, prefix")),
     *_of("vllm.model_executor.layers.logits_processor:LogitsProcessor", _MODEL, ("", "self, vocab_size, ...")),
+    VllmName("vllm.model_executor.layers.logits_processor:LogitsProcessor", "get_top_tokens", _MODEL,
+             "self, lm_head, hidden_states, ...",
+             optional="called only under use_local_argmax_reduction, which a vLLM without it lacks too"),
     *_of("vllm.model_executor.layers.quantization.base_config", _MODEL, "QuantizationConfig"),
     *_of("vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding", _MODEL,
          ("", "self, num_embeddings, embedding_dim, ..., prefix")),

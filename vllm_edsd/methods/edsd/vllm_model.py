@@ -9,8 +9,9 @@ type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
   it returns (normed states for the logits, pre-norm states fed back to the next step). In
   float16 the residual stream runs in float32 and the fed-back state is stored compressed
   (``float16_range.py``): float16's range is too short for EDSD's unnormalised stream;
-* ``compute_logits`` also records the draft entropy when the adaptive draft length asks for
-  it (``serving/features/draft_length.py`` sets ``record_draft_entropy``).
+* ``compute_logits`` (and ``draft_vocab_logits``, the draft vocabulary's alone, which greedy
+  drafting reads: ``serving/draft_vocab.py``) also records the draft entropy when the adaptive
+  draft length asks for it (``serving/features/draft_length.py`` sets ``record_draft_entropy``).
 """
 
 from __future__ import annotations
@@ -283,7 +284,23 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
         return self.model(input_ids, positions, hidden_states, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden_states)
+        return self.entropy_recorded(super().compute_logits(hidden_states))
+
+    def draft_vocab_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The logits over the draft vocabulary alone, which greedy drafting reads
+        (``serving/draft_vocab.py``); their entropy is the scattered logits' own."""
+        return self.entropy_recorded(self.logits_processor(self.lm_head, hidden_states))
+
+    def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts under vLLM's ``use_local_argmax_reduction`` (V1 and V2 runners): each
+        tensor-parallel rank's argmax over its shard of the draft vocabulary, reduced by vLLM,
+        mapped to the target's ids; no logits of the target vocabulary's size are made."""
+        draft_ids = self.logits_processor.get_top_tokens(self.lm_head, hidden_states)
+        if self.draft_id_to_target_id is None:
+            return draft_ids
+        return draft_ids + self.draft_id_to_target_id[draft_ids]
+
+    def entropy_recorded(self, logits: torch.Tensor | None) -> torch.Tensor | None:
         if self.record_draft_entropy and logits is not None:
             self.last_draft_entropy = draft_entropy(logits)
         return logits

