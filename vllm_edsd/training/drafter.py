@@ -60,7 +60,7 @@ def draft_switches(options: TrainOptions) -> dict[str, bool]:
             raise EDSDError(f"{', '.join(stray)}: a switch of {other.label}'s draft layer, not {options.method}'s")
     switches = {name: getattr(options, name) for name in drafting.switches}
     if drafting.refuse_switches is not None:
-        drafting.refuse_switches(switches, "edsd train", as_flag)
+        drafting.refuse_switches(switches, f"--method {options.method}", as_flag)
     return switches
 
 
