@@ -70,7 +70,8 @@ def drafters(models, tmp_path_factory) -> dict[str, str]:
 def parity_drafters(models, tmp_path_factory) -> dict:
     """Drafters whose drafts depend on every weight (random, token norms too), one per token
     norm, each converted unfolded and folded: ``{(norm, folded): (served dir, source dir)}``,
-    and one with Llama-3.1's RoPE scaling, ``{"llama3-rope": ...}``.
+    one with Llama-3.1's RoPE scaling, ``{"llama3-rope": ...}``, and EAGLE 3.1's (EAGLE-3
+    drafters for vLLM's own ``eagle3``, ``builds.EAGLE31_DRAFTERS``).
     The RMSNorm one is a SpecForge checkpoint (sharded, with its own copy of the embedding),
     the LayerNorm one this project's training layout."""
     return build_once(tmp_path_factory, "parity", lambda root: build_parity_drafters(models, root))

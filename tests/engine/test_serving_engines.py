@@ -1,12 +1,14 @@
 """EDSD speculative decoding in real vLLM engines: lossless greedy output, parity of the
 drafts with the plain-PyTorch reference (both token norms, folded and unfolded, TP=1 and
-TP=2), exact acceptance accounting, sampling, compilation, a second target architecture."""
+TP=2; EAGLE 3.1's drafters under vLLM's own eagle3), exact acceptance accounting, sampling,
+compilation, a second target architecture."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from support.drafters import edited_copy, edsd_spec
+from support.builds import EAGLE31_DRAFTERS
+from support.drafters import edited_copy, edsd_spec, speculative_spec
 from support.engine_checks import (
     assert_counters_match,
     assert_drafts_match,
@@ -18,6 +20,7 @@ from support.engine_runs import greedy_phase, llama_edsd_eager, serve_fitted
 from support.prompts import PROMPTS
 
 from vllm_edsd.methods.edsd.config import LAYERNORM, RMSNORM
+from vllm_edsd.methods.registry import EDSD, VLLM_EAGLE3
 
 K = 4
 
@@ -97,12 +100,24 @@ def test_token_reading_drafts_match_reference_model(models, parity_drafters, eng
                  use_local_argmax_reduction=tp == 2)
 
 
+@pytest.mark.parametrize("variant", list(EAGLE31_DRAFTERS))
+def test_eagle31_drafts_match_reference_model(models, parity_drafters, engine_runs, baseline, variant):
+    """EAGLE 3.1's switches (one RMSNorm over fc's input with the normed residual and fed-back
+    state; one RMSNorm per target layer) are served by vLLM's own eagle3 class as the reference
+    model computes them: its chains are the reference's, loaded from the same directory."""
+    served, source = parity_drafters[variant]
+    check_parity(models, engine_runs, baseline, served, source, f"parity-{variant}", 1, specforge=False,
+                 method=VLLM_EAGLE3)
+
+
 def check_parity(models, engine_runs, baseline, served: str, source: str, key: str, tp: int, specforge: bool,
-                 use_local_argmax_reduction: bool = False) -> None:
+                 method: str = EDSD, use_local_argmax_reduction: bool = False) -> None:
+    """vLLM serving ``served`` with ``method`` outputs the target's own greedy text and drafts
+    exactly the chains ``method``'s reference model, loaded from ``source``, drafts."""
     extra = {"use_local_argmax_reduction": True} if use_local_argmax_reduction else {}
     job = {
         "target": models["llama"],
-        "speculative_config": edsd_spec(served, **extra),
+        "speculative_config": speculative_spec(method, served, **extra),
         "llm_kwargs": {"enforce_eager": True, "dtype": "float32", "tensor_parallel_size": tp},
         "phases": [greedy_phase("parity", PARITY_PROMPTS, max_tokens=PARITY_TOKENS, record_proposals=True)],
     }
@@ -113,7 +128,7 @@ def check_parity(models, engine_runs, baseline, served: str, source: str, key: s
     assert run["greedy_samplers"] == [expected] * tp, run["greedy_samplers"]
     phase = run["phases"]["parity"]
     assert phase["outputs"] == [out[:PARITY_TOKENS] for out in baseline("llama")[:3]]
-    chains_for = reference_chains(models["llama"], source, specforge)
+    chains_for = reference_chains(models["llama"], source, specforge, method=method)
     assert assert_drafts_match(PARITY_PROMPTS, phase, chains_for, K) >= 3 * 8
     first_tokens = {step[0][0] for recorded in phase["proposals"] for step in recorded}
     assert len(first_tokens) > 5, "the drafts should depend on the drafter's weights, not be constant"

@@ -1,6 +1,6 @@
 """What the model fixtures of tests/conftest.py build: the toy targets and drafters, the massive
-activation pair, the broken and the parity drafters, and the user's pipeline trained on the
-fitted target."""
+activation pair, the broken and the parity drafters (EDSD's and EAGLE 3.1's), and the user's
+pipeline trained on the fitted target."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from support.drafters import edited_copy
 from support.prompts import PROMPTS
 from support.specforge_layout import write_specforge_checkpoint
-from support.toy import make_drafter, make_target, toy_corpus
+from support.toy import make_drafter, make_eagle3_drafter, make_target, toy_corpus
 from vllm_edsd.methods.edsd.config import LAYERNORM, RMSNORM
 from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING
 from weights_convert import convert
@@ -61,6 +61,13 @@ def most_frequent_greedy_token(target_dir: Path, limit: int) -> int:
     return counts.most_common(1)[0][0]
 
 
+# EAGLE 3.1's switches (methods/eagle3/config.py): speculators' default, and the per-layer fc norm.
+EAGLE31_DRAFTERS = {
+    "eagle31-norm-before-fc": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+    "eagle31-fc-norm": {"fc_norm": True},
+}
+
+
 def build_parity_drafters(models: dict, root: Path) -> dict:
     specforge = root / "specforge" / "epoch_0_step_100"
     write_specforge_checkpoint(models["llama"], specforge, sharded=True, with_embedding=True, seed=3)
@@ -82,6 +89,9 @@ def build_parity_drafters(models: dict, root: Path) -> dict:
                  attention_reads_token=True, feature_norm=True)
     convert(reads_token, root / "reads-token", target=models["llama"])
     drafters["reads-token"] = (str(root / "reads-token"), str(reads_token))
+    for seed, (name, switches) in enumerate(EAGLE31_DRAFTERS.items(), start=7):
+        make_eagle3_drafter(models["llama"], root / name, seed=seed, **switches)
+        drafters[name] = (str(root / name), str(root / name))  # vLLM serves what the reference reads
     return drafters
 
 

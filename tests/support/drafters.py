@@ -12,8 +12,13 @@ from pathlib import Path
 PAPER_LAYER_EDSD = Path(__file__).parents[1] / "assets" / "edsd-paper-layer-10k"
 
 
+def speculative_spec(method: str, drafter, k: int = 4, **extra) -> dict:
+    """The speculative config that serves ``drafter`` with ``method`` ("edsd", vLLM's "eagle3")."""
+    return {"method": method, "model": str(drafter), "num_speculative_tokens": k, **extra}
+
+
 def edsd_spec(drafter, k: int = 4, **extra) -> dict:
-    return {"method": "edsd", "model": str(drafter), "num_speculative_tokens": k, **extra}
+    return speculative_spec("edsd", drafter, k, **extra)
 
 
 def engine_config(target: str, spec: dict):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from support.specforge_layout import specforge_chains
+from vllm_edsd.methods.registry import EDSD
 from vllm_edsd.training.acceptance import replay, total
 
 
@@ -66,20 +67,20 @@ def draft_agreement(prompts: list[list[int]], phase: dict, chains_for) -> tuple[
     return same, total
 
 
-def reference_chains(target_dir: str, source: str, specforge: bool = False, k: int = 4):
-    """``chains_for(sequence)``: the reference model's draft chains after every prefix of a
-    sequence, the model loaded from ``source`` (for a SpecForge checkpoint, checked against
-    SpecForge's own forward too)."""
+def reference_chains(target_dir: str, source: str, specforge: bool = False, k: int = 4, method: str = EDSD):
+    """``chains_for(sequence)``: the reference model of ``method`` (its plain-PyTorch drafter)'s
+    draft chains after every prefix of a sequence, the model loaded from ``source`` (for a
+    SpecForge checkpoint, checked against SpecForge's own forward too)."""
     import torch
     from safetensors.torch import load_file
 
     from vllm_edsd.features.hidden_states import run_target
     from vllm_edsd.launch.transformers_target import load_target
-    from vllm_edsd.methods.edsd.model import EDSDDraftModel
+    from vllm_edsd.methods import method as drafting_method
 
     target = load_target(target_dir)
-    drafter = EDSDDraftModel.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
-    layers = drafter.config.aux_layer_ids
+    drafter = drafting_method(method).model.from_pretrained(source, embed_tokens=target.model.embed_tokens.weight)
+    layers = drafter.aux_layer_ids
 
     def chains_for(sequence):
         features = run_target(target, sequence, layers).features(layers)[:, :-1]

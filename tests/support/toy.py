@@ -1,5 +1,5 @@
 """Small models made on the spot: a byte-level BPE tokenizer, tiny random-weight targets
-(Llama, Qwen3) and EDSD drafters for them.
+(Llama, Qwen3) and EDSD and EAGLE-3 drafters for them.
 
 They exist so that tests and a first demo run on a machine with no model hub. Their
 weights are random: they exercise every code path of serving, but acceptance measured on
@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 from vllm_edsd.checkpoint.layouts import Layout
+from vllm_edsd.methods.blocks import DraftHead, RMSNorm
+from vllm_edsd.methods.eagle3.model import Eagle3DraftModel
 from vllm_edsd.methods.edsd.config import RMSNORM, EDSDConfig
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
@@ -169,26 +171,54 @@ def make_drafter(
     torch.manual_seed(seed)
     model = EDSDDraftModel(cfg)
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.normal_(0.0, 0.05)
+        randomise(model, [model.edfuse.token_norm, model.edfuse.feature_norm, model.midlayer.token_norm])
         model.edfuse.gate_proj.weight.mul_(fusion_gain)
         model.edfuse.down_proj.weight.mul_(fusion_gain)
-        norms = [model.edfuse.token_norm, model.edfuse.feature_norm, model.midlayer.token_norm]
-        for norm in filter(None, norms):
-            for name, tensor in norm.named_parameters():
-                tensor.uniform_(0.5, 1.5) if name == "weight" else tensor.normal_(0.0, 0.1)
         vocab, draft_vocab = cfg.vocab_size, cfg.draft_vocab_size
         first = 0 if constant_token is None else constant_token
         if first + draft_vocab > vocab:
             raise ValueError(f"constant_token {constant_token} + draft vocab {draft_vocab} exceeds vocab {vocab}")
-        used = torch.arange(first, first + draft_vocab) if draft_vocab < vocab else torch.arange(vocab)
-        if draft_vocab < vocab and constant_token is None:
-            used = torch.linspace(0, vocab - 1, draft_vocab).round().long().unique()
-        model.d2t.copy_(used - torch.arange(draft_vocab))
-        model.t2d.zero_()
-        model.t2d[used] = True
+        set_draft_vocab(model, torch.arange(first, first + draft_vocab)
+                        if constant_token is not None and draft_vocab < vocab else None)
         if constant_token is not None:
             model.norm.weight.zero_()
     model.save_pretrained(out_dir, layout=layout)
     return model
+
+
+def make_eagle3_drafter(target_dir: str | Path, out_dir: str | Path, *, aux_layer_ids: tuple[int, int, int] = (1, 2, 3),
+                        draft_vocab_size: int = 256, seed: int = 0, **switches: bool) -> Eagle3DraftModel:
+    """A random EAGLE-3 drafter for a toy target in the layout vLLM's ``eagle3`` loads, with
+    EAGLE 3.1's ``switches`` (``methods/eagle3/config.py``). Every norm's weights are random too,
+    so that a norm vLLM applies elsewhere, or not at all, changes its drafts."""
+    cfg = EDSDConfig.for_target(target_config(target_dir), aux_layer_ids[:2], draft_vocab_size=draft_vocab_size)
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel.build(cfg, aux_layer_ids, **switches)
+    with torch.no_grad():
+        randomise(model, [module for module in model.modules() if isinstance(module, RMSNorm)])
+        set_draft_vocab(model)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def randomise(model: DraftHead, norms: list) -> None:
+    """Random projections (N(0, 0.05)) and random ``norms`` (None: absent): weights in
+    [0.5, 1.5], biases N(0, 0.1)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.normal_(0.0, 0.05)
+    for norm in filter(None, norms):
+        for name, tensor in norm.named_parameters():
+            tensor.uniform_(0.5, 1.5) if name == "weight" else tensor.normal_(0.0, 0.1)
+
+
+def set_draft_vocab(model: DraftHead, used: torch.Tensor | None = None) -> None:
+    """The draft vocabulary's target ids (``d2t``, ``t2d``): ``used``, or else spread evenly over
+    the target's vocabulary (all of it where the draft vocabulary is the whole)."""
+    vocab, draft_vocab = model.config.vocab_size, model.config.draft_vocab_size
+    if used is None:
+        used = torch.linspace(0, vocab - 1, draft_vocab).round().long().unique() if draft_vocab < vocab \
+            else torch.arange(vocab)
+    model.d2t.copy_(used - torch.arange(draft_vocab))
+    model.t2d.zero_()
+    model.t2d[used] = True

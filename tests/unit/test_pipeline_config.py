@@ -230,19 +230,22 @@ def test_edsd_only_keys_reach_edsd_alone(toy, tmp_path):
     assert argv[argv.index("--token-norm") + 1] == "layernorm" and "--token-norm" not in command_line("train", eagle3)
 
 
-def test_the_draft_layer_switches_reach_edsd_alone(toy, tmp_path):
+def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
     """``train.attention_reads_token`` and ``train.feature_norm`` switch EDSD's draft layer away
-    from the paper's; EAGLE-3's run is given neither, and ``edsd train`` shows them as flags."""
+    from the paper's, EAGLE 3.1's keys EAGLE-3's; each method's run is given its own alone, and
+    ``edsd train`` shows them as flags."""
     from vllm_edsd.command import command_line
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
 
-    switches = {"attention_reads_token": True, "feature_norm": True}
-    plan = Plan(load_config(toy_config(toy, tmp_path / "work", train=switches)))
-    edsd, eagle3 = plan.train_options("edsd"), plan.train_options("eagle3")
-    assert edsd.attention_reads_token and edsd.feature_norm
-    assert not eagle3.attention_reads_token and not eagle3.feature_norm
-    assert {"--attention-reads-token", "--feature-norm"} <= set(command_line("train", edsd))
+    own = {"edsd": ("attention_reads_token", "feature_norm"),
+           "eagle3": ("norm_before_fc", "norm_before_residual", "norm_output")}
+    train = {name: True for names in own.values() for name in names}
+    plan = Plan(load_config(toy_config(toy, tmp_path / "work", train=train)))
+    for method, names in own.items():
+        options, other = plan.train_options(method), plan.train_options("eagle3" if method == "edsd" else "edsd")
+        assert all(getattr(options, name) and not getattr(other, name) for name in names)
+        assert {f"--{name.replace('_', '-')}" for name in names} <= set(command_line("train", options))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -260,6 +263,7 @@ def test_the_draft_layer_switches_reach_edsd_alone(toy, tmp_path):
     ({"data": {"sharegpt_chat": 8}}, "[data] needs either file or sharegpt_chat/sharegpt_code"),
     ({"target": {"path": "nowhere"}}, "target.path: "),
     ({"train": {"token_norm": "batchnorm"}}, "train.token_norm must be one of ['rmsnorm', 'layernorm']"),
+    ({"train": {"norm_before_fc": True, "fc_norm": True}}, "train.norm_before_fc and train.fc_norm both norm fc's"),
 ])
 def test_a_bad_config_is_one_line_naming_the_key(toy, tmp_path, capsys, change, message):
     config = toy_config(toy, tmp_path / "work", **change)

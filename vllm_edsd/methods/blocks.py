@@ -243,9 +243,10 @@ class DraftHead(nn.Module):
         self.load_state_dict({**self.state_dict(), **layout.rename_to_canonical(weights)})
 
     @classmethod
-    def build(cls, cfg: DraftConfig, aux_layer_ids: tuple[int, ...]) -> DraftHead:
-        """A new drafter of this method for ``cfg`` reading the target layers ``aux_layer_ids``."""
-        return cls(cfg, aux_layer_ids)
+    def build(cls, cfg: DraftConfig, aux_layer_ids: tuple[int, ...], **switches: bool) -> DraftHead:
+        """A new drafter of this method for ``cfg`` reading the target layers ``aux_layer_ids``,
+        with the method's draft-layer ``switches`` (``Method.switches``) set."""
+        return cls(cfg.with_updates(**switches), aux_layer_ids)
 
     @classmethod
     def unloaded(cls, path: str | Path) -> tuple[Layout, DraftHead]:

@@ -84,6 +84,13 @@ def choice(*options: str) -> Any:
     return check
 
 
+def flag(value: Any, what: str, reading: Reading) -> bool:
+    """The check of an on/off switch: JSON's true or false, nothing that merely converts to one."""
+    if not isinstance(value, bool):
+        raise EDSDError(f"{what} must be true or false")
+    return value
+
+
 def _one_layer(value: Any, what: str, reading: Reading) -> int:
     if value != 1:
         raise EDSDError(f"{what} must be 1 for an EDSD drafter, got {value!r}")

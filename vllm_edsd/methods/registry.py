@@ -8,9 +8,9 @@ below.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm_edsd.checkpoint.layouts import Layout
@@ -39,3 +39,8 @@ class Method:
     curriculum: bool  # EDTrain's Mask-p/Step-n curriculum on by default
     own_train_fields: tuple[str, ...] = ()  # ``edsd train`` flags of this method's architecture alone
     converts: bool = False  # its trained checkpoint is converted (``edsd convert``) before vLLM serves it
+    # Its draft layer's on/off variants: ``edsd train`` flags, ``[train]`` keys and config.json keys of one name.
+    switches: tuple[str, ...] = ()
+    # Refuses a combination of its switches that makes no drafter, one line:
+    # (name -> on, where they were given, how ``where`` spells a name) -> None; None: every combination is one.
+    refuse_switches: Callable[[Mapping[str, Any], str, Callable[[str], str]], None] | None = None

@@ -137,6 +137,11 @@ class Train:
     token_norm: str | None = field(default=None, metadata={CHOICES: TOKEN_NORMS})
     attention_reads_token: bool | None = None  # the draft layer also reads the token (not the paper's)
     feature_norm: bool | None = None  # EDFuse's gate reads the normed feature (not the paper's)
+    # EAGLE 3.1's norms (EDSD has no such part: its runs leave these out; norm_before_fc or fc_norm, not both)
+    norm_before_fc: bool | None = None  # one RMSNorm over fc's whole input
+    fc_norm: bool | None = None  # one RMSNorm per target layer before fc
+    norm_before_residual: bool | None = None  # the draft layer's residual is the normed state
+    norm_output: bool | None = None  # the fed-back state is the final norm's output
     # the run
     seed: int | None = None
     device: str | None = None
@@ -257,7 +262,7 @@ def check_section(where: Path, section: str, schema: type, values: Any) -> Any:
 
 def check_meaning(where: Path, cfg: Config) -> None:
     """What one field's type and metadata cannot say: one source of data, distinct known
-    methods, each method's count of layers."""
+    methods, each method's count of layers, a combination of switches a method refuses."""
     data = cfg.data
     sharegpt = data.sharegpt_chat or data.sharegpt_code
     if bool(data.file) == bool(sharegpt):
@@ -271,6 +276,9 @@ def check_meaning(where: Path, cfg: Config) -> None:
         ids = getattr(cfg.layers, method.name)
         if ids is not None and len(set(ids)) != method.aux_layers:
             raise EDSDError(f"{where}: layers.{method.name} must be {method.aux_layers} distinct layer ids, got {ids}")
+        if method.refuse_switches is not None:
+            switches = {name: getattr(cfg.train, name) for name in method.switches}
+            method.refuse_switches(switches, str(where), lambda name: f"train.{name}")
 
 
 def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> Config:

@@ -31,6 +31,7 @@ EPILOG = """\
 examples:
   edsd train TARGET --out runs/edsd --layers-from layers.json          # EDSD (EDSelect's layers)
   edsd train TARGET --out runs/eagle3 --method eagle3                  # the baseline, same data
+  edsd train TARGET --out runs/eagle31 --method eagle3 --norm-before-fc --norm-before-residual --norm-output
   edsd train TARGET --out runs/edsd --layers 2,3 --epochs 2 --max-samples 64 --device cpu
 then: edsd convert runs/edsd/final drafter   (the EAGLE-3 checkpoint is served as it is)
 """
@@ -57,15 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the batch, entropy over the draft vocabulary)")
     parser.add_argument("--gamma", type=float,
                         help="Mask-p_t percent per remaining epoch (default: the reading's, 3 or 2)")
-    parser.add_argument("--token-norm", choices=TOKEN_NORMS,
-                        help="EDFuse's norm of the token embedding: rmsnorm (SpecForge's, default) or layernorm "
-                             "(with bias, as the paper's prose describes)")
-    parser.add_argument("--attention-reads-token", action="store_true",
-                        help="EDSD's draft layer reads [norm(u); norm(e)]: the token beside the fused stream, as "
-                             "EAGLE-3's attention does (not the paper's design; docs/paper.md)")
-    parser.add_argument("--feature-norm", action="store_true",
-                        help="EDFuse's gate reads the normed feature, so the fed-back state stays bounded (not the "
-                             "paper's design; docs/paper.md)")
+    add_draft_layer_arguments(parser)
     parser.add_argument("--no-mask-p", action="store_true", help="ablation: no entropy mask")
     parser.add_argument("--no-step-n", action="store_true", help="ablation: fixed TTT steps")
     parser.add_argument("--feature-noise", type=float,
@@ -99,6 +92,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-intermediate-size", type=int, help="EDFuse width m (default: target FFN)")
     parser.add_argument("--intermediate-size", type=int, help="draft layer FFN width (default: target's)")
     parser.set_defaults(**defaults(TrainOptions))
+
+
+def add_draft_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The switches of each method's draft layer (``Method.switches``): EDSD's beyond the paper,
+    EAGLE 3.1's norms for EAGLE-3; another method's switch is refused by ``training.drafter``."""
+    parser.add_argument("--token-norm", choices=TOKEN_NORMS,
+                        help="EDFuse's norm of the token embedding: rmsnorm (SpecForge's, default) or layernorm "
+                             "(with bias, as the paper's prose describes)")
+    parser.add_argument("--attention-reads-token", action="store_true",
+                        help="EDSD's draft layer reads [norm(u); norm(e)]: the token beside the fused stream, as "
+                             "EAGLE-3's attention does (not the paper's design; docs/paper.md)")
+    parser.add_argument("--feature-norm", action="store_true",
+                        help="EDFuse's gate reads the normed feature, so the fed-back state stays bounded (not the "
+                             "paper's design; docs/paper.md)")
+    eagle31 = parser.add_argument_group(
+        "EAGLE 3.1 (--method eagle3 only)",
+        "EAGLE-3's draft layer with more norms, as speculators trains it by default (--norm-before-fc "
+        "--norm-before-residual --norm-output) and vLLM's own eagle3 serves it; off: EAGLE-3 as first published")
+    eagle31.add_argument("--norm-before-fc", action="store_true",
+                         help="one RMSNorm over the three target layers' features together, before fc "
+                              "(config.json: norm_before_fc; not with --fc-norm)")
+    eagle31.add_argument("--fc-norm", action="store_true",
+                         help="one RMSNorm per target layer, before fc: the per-layer alternative to "
+                              "--norm-before-fc (config.json: fc_norm)")
+    eagle31.add_argument("--norm-before-residual", action="store_true",
+                         help="the draft layer's residual is its normed input state rather than the raw one "
+                              "(config.json: norm_before_residual)")
+    eagle31.add_argument("--norm-output", action="store_true",
+                         help="feed the next draft step the final norm's output rather than its input, so the "
+                              "fed-back state stays bounded (config.json: norm_output)")
 
 
 def options(args: argparse.Namespace) -> TrainOptions:

@@ -1,5 +1,6 @@
-"""The drafter to train: its aux layers (``--layers``, ``--layers-from``, EAGLE-3's defaults) and
-its initial weights, taken from the target where shapes allow (the same for both methods)."""
+"""The drafter to train: its aux layers (``--layers``, ``--layers-from``, EAGLE-3's defaults), its
+draft-layer switches (``--feature-norm``, ``--norm-before-fc``, ...: each method's own) and its
+initial weights, taken from the target where shapes allow (the same for both methods)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.features.hidden_states import decoder_of
-from vllm_edsd.methods import method
-from vllm_edsd.methods.edsd.config import SWITCHES, EDSDConfig
+from vllm_edsd.methods import METHODS, method
+from vllm_edsd.methods.edsd.config import EDSDConfig
 
 from .options import TrainOptions
 
@@ -44,20 +45,34 @@ def resolve_layers(options: TrainOptions, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def as_flag(name: str) -> str:
+    """A switch's ``edsd train`` flag: ``norm_before_fc`` -> ``--norm-before-fc``."""
+    return f"--{name.replace('_', '-')}"
+
+
+def draft_switches(options: TrainOptions) -> dict[str, bool]:
+    """The method's draft-layer switches, name -> on. Another method's switch turned on, or a
+    combination the method refuses, is one line, before any work."""
+    drafting = method(options.method)
+    for other in METHODS.values():
+        stray = [as_flag(name) for name in other.switches if getattr(options, name) and name not in drafting.switches]
+        if stray:
+            raise EDSDError(f"{', '.join(stray)}: a switch of {other.label}'s draft layer, not {options.method}'s")
+    switches = {name: getattr(options, name) for name in drafting.switches}
+    if drafting.refuse_switches is not None:
+        drafting.refuse_switches(switches, f"--method {options.method}", as_flag)
+    return switches
+
+
 def build_model(options: TrainOptions, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t, t2d):
     """The drafter, initialised from the target where shapes allow (same for both methods)."""
     draft_vocab = len(d2t)
-    switches = {name: getattr(options, name) for name in SWITCHES}
-    stray = [f"--{name.replace('_', '-')}" for name, on in switches.items()
-             if on and name not in method(options.method).own_train_fields]
-    if stray:
-        raise EDSDError(f"{', '.join(stray)}: a switch of EDSD's draft layer, not {options.method}'s")
     cfg = EDSDConfig.for_target(cfg_raw, layers[:2], draft_vocab_size=draft_vocab,
                                 fuse_intermediate_size=options.fuse_intermediate_size,
                                 intermediate_size=options.intermediate_size, token_norm=options.token_norm,
-                                source=f"{options.target}/config.json").with_updates(**switches)
+                                source=f"{options.target}/config.json")
     torch.manual_seed(options.seed)
-    model = method(options.method).model.build(cfg, layers)
+    model = method(options.method).model.build(cfg, layers, **draft_switches(options))
     with torch.no_grad():
         model.embed_tokens.weight.copy_(decoder_of(target_model).embed_tokens.weight)
         head = target_model.get_output_embeddings().weight

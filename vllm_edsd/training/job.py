@@ -23,7 +23,7 @@ from vllm_edsd.launch.transformers_target import load_target
 
 from .distributed import SINGLE, World
 from .draft_vocab import answer_token_counts, build_vocab_mapping
-from .drafter import build_model, resolve_layers
+from .drafter import build_model, draft_switches, resolve_layers
 from .options import TrainOptions
 from .recipe import Recipe
 
@@ -77,6 +77,7 @@ def prepare(options: TrainOptions, world: World = SINGLE, device: str | None = N
     layers = resolve_layers(options, target_layers)
     feature_layers = resolve_feature_layers(options.feature_layers, layers, target_layers)
     check_numbers(options, target.vocab_size)
+    draft_switches(options)  # refused here, before the samples and features are made
     options, length_set_by = resolve_max_length(options)
     from transformers.utils import logging
 

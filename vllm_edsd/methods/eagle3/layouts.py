@@ -7,7 +7,7 @@ from pathlib import Path
 from vllm_edsd.checkpoint.layouts import Layout, NameMap
 from vllm_edsd.checkpoint.target import read_config_json
 from vllm_edsd.errors import EDSDError, is_int
-from vllm_edsd.methods.draft_config import DraftConfig
+from vllm_edsd.methods.eagle3.config import Eagle3Config
 
 
 def _has_eagle3_tensors(names: set[str]) -> bool:
@@ -33,9 +33,9 @@ EAGLE3_LAYOUT = Layout(
 )
 
 
-def read_eagle3_config(path: str | Path) -> tuple[DraftConfig, tuple[int, int, int]]:
-    """An EAGLE-3 drafter directory's draft layer and its three aux layer ids (vLLM's
-    convention), from the config.json vLLM's ``"method": "eagle3"`` reads."""
+def read_eagle3_config(path: str | Path) -> tuple[Eagle3Config, tuple[int, int, int]]:
+    """An EAGLE-3 drafter directory's draft layer, its EAGLE 3.1 switches and its three aux
+    layer ids (vLLM's convention), from the config.json vLLM's ``"method": "eagle3"`` reads."""
     raw = read_config_json(path)
     source = f"{path}/config.json"
     if not set(raw.get("architectures") or []) & set(EAGLE3_LAYOUT.architectures):
@@ -46,4 +46,4 @@ def read_eagle3_config(path: str | Path) -> tuple[DraftConfig, tuple[int, int, i
     if not isinstance(ids, list) or len(set(ids)) != 3 or not all(is_int(i) and i >= 0 for i in ids):
         raise EDSDError(f"{source}: field 'eagle_aux_hidden_state_layer_ids' must list three distinct non-negative "
                         f"target layer ids, got {ids!r:.80}")
-    return DraftConfig.from_dict(raw, source=source), tuple(sorted(ids))
+    return Eagle3Config.from_dict(raw, source=source), tuple(sorted(ids))

@@ -21,4 +21,5 @@ METHOD = Method(
     curriculum=True,
     own_train_fields=("token_norm", *SWITCHES),
     converts=True,
+    switches=SWITCHES,
 )

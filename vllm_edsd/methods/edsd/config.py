@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from vllm_edsd.checkpoint.schema import REQUIRED, Reading, entry, read_fields
 from vllm_edsd.checkpoint.target import LAYER_ID_CONVENTIONS, LAYER_INPUT, LAYER_OUTPUT, TargetFingerprint, text_config
 from vllm_edsd.errors import EDSDError, first_line, is_int
-from vllm_edsd.methods.draft_config import DraftConfig, choice, epsilon, size
+from vllm_edsd.methods.draft_config import DraftConfig, choice, epsilon, flag, size
 from vllm_edsd.methods.registry import EDSD
 
 # The norm EDFuse applies to the token embedding. SpecForge's EDSD (what the paper's drafters
@@ -146,12 +146,6 @@ def _vllm_aux_layer_ids(reading: Reading) -> tuple[int, int]:
     return low, high
 
 
-def _flag(value: Any, what: str, reading: Reading) -> bool:
-    if not isinstance(value, bool):
-        raise EDSDError(f"{what} must be true or false")
-    return value
-
-
 @dataclass(frozen=True, kw_only=True)
 class EDSDConfig(DraftConfig):
     """Hyper-parameters of an EDSD drafter, aux layer ids always in vLLM's convention. Its own
@@ -163,7 +157,7 @@ class EDSDConfig(DraftConfig):
                                            read=_vllm_aux_layer_ids)
     token_norm_folded: bool = entry("the token norm folded into a draft-owned embedding table "
                                     "(edsd convert --fold-token-norm)", default=False, block=True,
-                                    null_absent=False, check=_flag)
+                                    null_absent=False, check=flag)
     # A config without the field predates it and had a LayerNorm.
     token_norm: str = entry("EDFuse's norm of the token embedding", default=RMSNORM, absent=LEGACY_TOKEN_NORM,
                             block=True, null_absent=False, check=choice(*TOKEN_NORMS))
@@ -172,9 +166,9 @@ class EDSDConfig(DraftConfig):
     # Beyond the paper (docs/paper.md, "The draft layer's attention input"); off, the paper's design.
     attention_reads_token: bool = entry("the draft layer's q/k/v read [input_layernorm(u); token_norm(e)]: the "
                                         "token beside the fused stream", default=False, block=True,
-                                        null_absent=False, check=_flag)
+                                        null_absent=False, check=flag)
     feature_norm: bool = entry("EDFuse's gate reads RMSNorm(g): the fed-back state stays bounded", default=False,
-                               block=True, null_absent=False, check=_flag)
+                               block=True, null_absent=False, check=flag)
     metadata: dict = entry("provenance, written by the converter into the vLLM layout", default_factory=dict,
                            read=lambda reading: {k: v for k, v in reading.own_block().items() if k in PROVENANCE})
     speculators: Speculators | None = entry("the vLLM layout's speculators block, where the converter knew the "

@@ -125,12 +125,12 @@ class EDSDDraftModel(DraftHead):
         self.midlayer = DraftDecoderLayer(cfg)
 
     @classmethod
-    def build(cls, cfg: EDSDConfig, aux_layer_ids: tuple[int, ...]) -> EDSDDraftModel:
-        """A new EDSD drafter; its two aux layers are ``cfg``'s."""
+    def build(cls, cfg: EDSDConfig, aux_layer_ids: tuple[int, ...], **switches: bool) -> EDSDDraftModel:
+        """A new EDSD drafter with ``switches`` on; its two aux layers are ``cfg``'s."""
         if tuple(aux_layer_ids) != tuple(cfg.aux_layer_ids):
             raise EDSDError(f"EDSD reads the aux layers of its config {list(cfg.aux_layer_ids)}, "
                             f"not {list(aux_layer_ids)}")
-        return cls(cfg)
+        return cls(cfg.with_updates(**switches))
 
     @property
     def wide_stream(self) -> bool:
