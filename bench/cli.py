@@ -24,6 +24,8 @@ from .draft_cost import DTYPES
 from .draft_cost import METHODS as DRAFT_COST_METHODS
 from .draft_cost import SUITE as DRAFT_COST
 from .offline import CATEGORIES, DEFAULT_METHODS
+from .step_cost import BATCH_SIZES as STEP_COST_BATCH_SIZES
+from .step_cost import METHODS as STEP_COST_METHODS
 from .vllm_serve import DTYPES as SERVER_DTYPES
 
 COMPUTED_DTYPE = "default: bfloat16 where the CPU computes it natively, else float32"
@@ -59,15 +61,16 @@ def engine_models(parser: argparse.ArgumentParser) -> None:
              f"draft length), {EDSD}-batch-table (vLLM's K-by-batch-size table), {EDSD}+lookup and {EAGLE3}+lookup "
              f"(prompt lookup beside the drafter), {EDSD}-k1+lookup and {EAGLE3}-k1+lookup (the same, the drafter "
              f"drafting one token where the lookup drafts up to K) or {EDSD}-adaptive+lookup (both) "
-             f"(default {DEFAULT_METHODS}; draft-cost: {','.join(DRAFT_COST_METHODS)}, all it takes)")
+             f"(default {DEFAULT_METHODS}; draft-cost: {','.join(DRAFT_COST_METHODS)}, all it takes; step-cost: "
+             f"{','.join(STEP_COST_METHODS)})")
     add("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
         help=f"{EDSD}-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")
     add("--k", default="4", help="num_speculative_tokens, comma-separated (default 4)")
     add("--quick", action="store_true", help="tiny sizes and --eager: proves the suites run (used by CI)")
     add("--eager", action="store_true", help=EAGER_HELP + " (draft-cost: --modes)")
     add("--dtype", choices=DTYPES, default=None,
-        help=f"the engines' dtype in every suite but draft-cost ({COMPUTED_DTYPE}); float32 keeps every "
-             "speculative reply the target's own, so all methods time the same texts")
+        help=f"the engines' dtype in every suite but draft-cost ({COMPUTED_DTYPE}; step-cost: float32); float32 "
+             "keeps every speculative reply the target's own, so all methods time the same texts")
     add("--seed", type=int, default=0,
         help="the offline engines' sampling seed (default 0): a sampled (T>0) row is one draw of its texts; "
              "rerun with other seeds to see how far its figures move")
@@ -93,7 +96,7 @@ def engine_sizes(parser: argparse.ArgumentParser) -> None:
         help="end each reply at the model's end of sequence, as users see it (default: every reply is "
              "--max-tokens long, ignore_eos, so every method does the same work; prompt lookup then also copies "
              "the repetition a small model writes past its answer)")
-    add("--batch-sizes", default=None, help="default 1,2,4,...,256 (quick: 1,4)")
+    add("--batch-sizes", default=None, help=f"default 1,2,4,...,256 (quick: 1,4; step-cost: {STEP_COST_BATCH_SIZES})")
     add("--mixed-batch", type=int, default=None,
         help="the mixed suite's batch; half of it opts out of drafting (default 16; quick 4)")
     add("--qps", default=None, help="request rates for latency (default 0.5,1,2,4; quick: 1)")
@@ -215,6 +218,7 @@ ENGINE_HELP = {"acceptance": "τ and tokens/s per category, batch 1",
 SUITES: dict[str, Suite] = {
     **{name: Suite(text, "suites", engine_options) for name, text in ENGINE_HELP.items()},
     DRAFT_COST: Suite("a draft step against a target step (profiler)", "suites", engine_options),
+    "step-cost": Suite("the whole decode step by part, scheduler to detokeniser", "step_cost", engine_options),
     "schedule": Suite("the K-by-batch-size table, measured and served", "schedule", schedule_options),
     "serve": Suite("vllm bench serve against servers at defaults", "vllm_serve", serve_options),
     "learning-curve": Suite("τ against training positions, both methods", "learning_curve",

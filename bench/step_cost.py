@@ -1,0 +1,245 @@
+"""The step-cost suite: where the whole decode step goes, not only the target forward and the
+draft: the scheduler, input preparation, the target forward, sampling, the draft and its parts,
+vllm-edsd's hooks, output processing in the engine core and in the front end, and the rest.
+
+For each method (default: none, ngram, eagle3, edsd, eagle3+lookup, edsd+lookup) one engine
+generates at each batch size (default 1,8; greedy, ignoring EOS, float32 unless --dtype) with
+its engine core and worker in the bench's own process and thread (vLLM's
+VLLM_ENABLE_V1_MULTIPROCESSING=0, started in a fresh child process per engine). There the front
+end, the scheduler and the worker run one after another, so a step's parts are disjoint slices of
+its wall time and nothing waits on a queue. Serving's layout differs: the front end, the engine
+core and the worker are three processes that hand each step over through shared memory and spin
+while they wait (on 2 cores they also take turns); that hand-off is not in this split.
+
+The split. A step is one call of the front end's ``LLMEngine.step``, measured from its start to
+the next step's start (so the front end's loop between steps is in it); only steps in which
+every scheduled request decodes, and that have a next step, count. Its parts, by scope, each
+claiming the first of its scopes met on the way down (``trace.scope_parts``):
+
+- scheduler: ``Scheduler.schedule`` and ``Scheduler.update_draft_token_ids`` (the drafts' hand-off)
+- input preparation: the runner's ``preprocess`` scope (batch state, inputs, attention metadata)
+- target forward: the runner's ``forward`` and ``postprocess`` (the logits) scopes
+- sampling: the runner's ``sample`` scope (rejection sampling with a drafter)
+- draft: the runner's ``draft`` scope, split by ``trace.PARTS`` (drafter forward, logits and
+  sampling, fc on target states, attention metadata, input preparation, other)
+- worker output: the runner's ``bookkeep`` and ``ModelRunnerOutput`` scopes
+- engine-core output: ``Scheduler.update_from_output``
+- front-end output: ``OutputProcessor.process_outputs`` (detokenising, request outputs)
+- plugin hooks: the own time of vllm-edsd's frames, taken out of whichever part holds them
+- rest: the step's time that no part claims (the executor's calls, stats, the loop)
+
+vLLM's runner scopes come with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1; the scheduler's and front
+end's are the bench's own (``trace.BENCH_SCOPE``, set only in the bench's child process). Each
+batch size runs one unprofiled timed generation, then the same under vLLM's torch profiler with
+the scopes alone (the times), then with Python calls recorded (``torch_profiler_with_stack``),
+which slows Python more than kernels, so it gives only proportions: the draft's split into its
+parts and the plugin's share of each part. Means over the steps, in ms. ``sum / step`` is the
+parts' sum against the steps' start-to-start wall time; ``overhead`` is the profiled
+generation's wall time against the unprofiled one's.
+
+Writes DIR/results.json and DIR/report.md (a table per method and batch size). ``--quick``: eager
+engines, 8 tokens, for CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+from vllm_edsd.errors import EDSDError
+from vllm_edsd.launch.engine import engine_dtype, llm_session
+from vllm_edsd.methods.registry import EAGLE3, EDSD
+
+from . import trace
+from .draft_cost import SCOPES_ENV, written_trace
+from .offline import Setup, load_prompts, method_config
+
+SUITE = "step-cost"
+METHODS = ("none", "ngram", EAGLE3, EDSD, f"{EAGLE3}+lookup", f"{EDSD}+lookup")
+BATCH_SIZES = "1,8"
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+# The functions the bench scopes, (module, class, function): the front end's step, the
+# scheduler's and the output processing the runner's own scopes do not cover.
+SCOPED = (("vllm.v1.engine.llm_engine", "LLMEngine", "step"),
+          ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+          ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids"),
+          ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+          ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"))
+
+
+def scope(owner: str, function: str) -> str:
+    """The name of the bench's scope around ``owner.function``."""
+    return f"{trace.BENCH_SCOPE}{owner}.{function}"
+
+
+STEP = scope("LLMEngine", "step")
+RUNNER = "gpu_model_runner: "
+DRAFT = "draft"
+STEP_PARTS = {
+    "scheduler": (scope("Scheduler", "schedule"), scope("Scheduler", "update_draft_token_ids")),
+    "input preparation": (RUNNER + "preprocess",),
+    "target forward": (RUNNER + "forward", RUNNER + "postprocess"),
+    "sampling": (RUNNER + "sample",),
+    DRAFT: (trace.DRAFT,),
+    "worker output": (RUNNER + "bookkeep", RUNNER + "ModelRunnerOutput"),
+    "engine-core output": (scope("Scheduler", "update_from_output"),),
+    "front-end output": (scope("OutputProcessor", "process_outputs"),),
+}
+PLUGIN = "plugin hooks"
+REST = "rest"
+DRAFT_NAMES = tuple(name for name in trace.PART_NAMES if name != trace.PLUGIN)  # the draft's plugin time is PLUGIN's
+DRAFT_COLUMNS = tuple(f"{DRAFT}: {name}" for name in DRAFT_NAMES)
+# The table's columns, in the step's order.
+COLUMNS = (*list(STEP_PARTS)[:4], *DRAFT_COLUMNS, *list(STEP_PARTS)[5:], PLUGIN, REST)
+
+
+def install_scopes() -> None:
+    """Wrap ``SCOPED`` in record_function scopes, for the rest of this process: only the bench's
+    child process that profiles one engine calls it, never a serving process."""
+    import importlib
+
+    from torch.autograd.profiler import record_function
+
+    for module, owner, function in SCOPED:
+        cls = getattr(importlib.import_module(module), owner)
+        original, name = getattr(cls, function), scope(owner, function)
+
+        @functools.wraps(original)
+        def scoped(*args, _original=original, _name=name, **kwargs):
+            with record_function(_name):
+                return _original(*args, **kwargs)
+
+        setattr(cls, function, scoped)
+
+
+def timed_steps(roots: list[trace.Call]) -> list[tuple[trace.Call, float]]:
+    """Each decode-only step that has a next step, with the µs from its start to the next's."""
+    steps = trace.matching(roots, lambda c: c.name == STEP)
+    return [(step, after.start - step.start) for step, after in zip(steps, steps[1:]) if trace.decodes_only(step)]
+
+
+def part_times(step: trace.Call) -> dict[str, float]:
+    """µs of one step by part of ``STEP_PARTS``, and the rest that none claims."""
+    times = {part: sum(c.duration for c in calls) for part, calls in trace.scope_parts(step, STEP_PARTS).items()}
+    return times | {REST: step.duration - sum(times.values())}
+
+
+def plugin_shares(steps: list[trace.Call]) -> dict[str, float]:
+    """The share of each part (and of the rest) that vllm-edsd's frames take, over steps traced
+    with Python calls; the draft's is its ``trace.draft_parts`` share."""
+    plugin = dict.fromkeys((*STEP_PARTS, REST), 0.0)
+    total = dict.fromkeys(plugin, 0.0)
+    for step in steps:
+        claimed = trace.scope_parts(step, STEP_PARTS)
+        for part, calls in claimed.items():
+            total[part] += sum(c.duration for c in calls)
+            plugin[part] += sum(c.plugin_time() for c in calls if part != DRAFT)
+        total[REST] += step.duration - sum(c.duration for calls in claimed.values() for c in calls)
+        plugin[REST] += step.plugin_time() - sum(c.plugin_time() for calls in claimed.values() for c in calls)
+    return {part: plugin[part] / total[part] if total[part] else 0.0 for part in plugin}
+
+
+def draft_shares(steps: list[trace.Call]) -> dict[str, float]:
+    """Each draft part's share of the drafts of steps traced with Python calls (zeros: no draft)."""
+    drafts = [d for step in steps for d in trace.scope_parts(step, {DRAFT: (trace.DRAFT,)})[DRAFT]]
+    parts = [trace.draft_parts(d) for d in drafts]
+    total = sum(d.duration for d in drafts)
+    if None in parts or not total:
+        return dict.fromkeys(trace.PART_NAMES, 0.0)
+    return {name: sum(p[name] for p in parts) / total for name in trace.PART_NAMES}
+
+
+def split(timed: list[tuple[trace.Call, float]], traced: list[trace.Call]) -> dict:
+    """Mean ms per step by column (``COLUMNS``), their sum and the measured step, from the steps
+    timed with scopes alone and the proportions of the steps traced with Python calls."""
+    if not timed or not traced:
+        raise EDSDError("the profiled generation has no decode step followed by another step")
+    times = {part: statistics.fmean(part_times(step)[part] for step, _ in timed) for part in (*STEP_PARTS, REST)}
+    shares, in_draft = plugin_shares(traced), draft_shares(traced)
+    parts = {part: times[part] * (1 - shares[part]) for part in times if part != DRAFT}
+    parts |= {column: times[DRAFT] * in_draft[name] for column, name in zip(DRAFT_COLUMNS, DRAFT_NAMES)}
+    parts[PLUGIN] = sum(times[part] * shares[part] for part in times if part != DRAFT) + times[DRAFT] * in_draft[
+        trace.PLUGIN]
+    ms = {column: parts[column] / 1e3 for column in COLUMNS}
+    step = statistics.fmean(wall for _, wall in timed) / 1e3
+    return {"steps": len(timed), "parts_ms": ms, "sum_ms": sum(ms.values()), "step_ms": step,
+            "sum_over_step": sum(ms.values()) / step}
+
+
+def profiled(llm, trace_dir: Path, with_stack: bool, generate) -> tuple[list[trace.Call], float]:
+    """The call trees of one ``generate()`` under vLLM's torch profiler, and its wall time (s).
+    The worker makes its profiler from its config at the next start, so that the Python calls
+    are recorded or not per generation in one engine."""
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    worker.profiler = None
+    worker.profiler_config.torch_profiler_with_stack = with_stack
+    llm.start_profile()
+    wall = generate()
+    llm.stop_profile()
+    path = written_trace(trace_dir)
+    roots = trace.call_trees(trace.read_events(path))
+    path.unlink()  # the next generation's trace is then the folder's only one
+    return roots, wall
+
+
+def batch_row(llm, trace_dir: Path, max_tokens: int, batch: int) -> dict:
+    """The split of one batch size's decode steps: a warm-up, an unprofiled timed generation,
+    one profiled with scopes alone (the times) and one with Python calls (the proportions)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    chats = load_prompts("chat", batch)
+    prompts = [chats[i % len(chats)] for i in range(batch)]
+
+    def generate() -> float:
+        start = time.perf_counter()
+        llm.chat(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    generate()
+    unprofiled = generate()
+    timed_roots, profiled_wall = profiled(llm, trace_dir, False, generate)
+    traced_roots, _ = profiled(llm, trace_dir, True, generate)
+    return {"batch_size": batch, "dtype": engine_dtype(llm),
+            **split(timed_steps(timed_roots), [step for step, _ in timed_steps(traced_roots)]),
+            "engine_steps": len(trace.matching(timed_roots, lambda c: c.name == STEP)),
+            "unprofiled_wall_s": unprofiled, "profiled_wall_s": profiled_wall,
+            "overhead": profiled_wall / unprofiled - 1}
+
+
+def measure(setup: Setup, method: str, k: int) -> list[dict]:
+    """One row per batch size of (method, K), from one engine whose core and worker run in this
+    process, a child of the bench's made for it (``install_scopes`` stays in it)."""
+    os.environ[IN_PROCESS_ENV] = "0"
+    os.environ[SCOPES_ENV] = "1"
+    install_scopes()
+    dtype = {"dtype": setup.dtype} if setup.dtype else {}
+    with tempfile.TemporaryDirectory(prefix="bench-step-cost-") as trace_dir:
+        profiler = {"profiler": "torch", "torch_profiler_dir": trace_dir}
+        with llm_session(setup.target, method_config(setup, method, k), profiler_config=profiler,
+                         enforce_eager=setup.eager, **dtype) as llm:
+            rows = [batch_row(llm, Path(trace_dir), setup.max_tokens, batch) for batch in setup.batch_sizes]
+    return [{"suite": SUITE, "method": method, "k": k, "temperature": 0.0, "max_tokens": setup.max_tokens, **row}
+            for row in rows]
+
+
+def step_cost(setup: Setup, method: str, k: int) -> list[dict]:
+    """``measure`` in a fresh child process: the engine core in the caller's process cannot
+    start several engines one after another there (docs/known-issues.md), and the scopes stay
+    out of the bench's own process."""
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(measure, setup, method, k).result()
+
+
+def run(args) -> int:
+    """``python -m bench step-cost``: the engine suites' runner, which plans this suite's steps."""
+    from .suites import run as run_suites
+
+    return run_suites(args)
