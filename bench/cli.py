@@ -36,11 +36,13 @@ EAGER_HELP = ("engines and servers without torch.compile (vLLM's enforce_eager):
 
 @dataclass(frozen=True)
 class Suite:
-    """One suite: its line in ``python -m bench --help``, the module that runs it, its options."""
+    """One suite: its line in ``python -m bench --help``, the module that runs it, its options,
+    and the module whose docstring is its ``--help`` where that is not the one that runs it."""
 
     help: str
     module: str
     options: Callable[[argparse.ArgumentParser], None]
+    described_by: str | None = None
 
 
 def models(add, out_help: str, edsd_layouts: str) -> None:
@@ -218,7 +220,8 @@ ENGINE_HELP = {"acceptance": "τ and tokens/s per category, batch 1",
 SUITES: dict[str, Suite] = {
     **{name: Suite(text, "suites", engine_options) for name, text in ENGINE_HELP.items()},
     DRAFT_COST: Suite("a draft step against a target step (profiler)", "suites", engine_options),
-    "step-cost": Suite("the whole decode step by part, scheduler to detokeniser", "step_cost", engine_options),
+    "step-cost": Suite("the whole decode step by part, scheduler to detokeniser", "suites", engine_options,
+                       described_by="step_cost"),
     "schedule": Suite("the K-by-batch-size table, measured and served", "schedule", schedule_options),
     "serve": Suite("vllm bench serve against servers at defaults", "vllm_serve", serve_options),
     "learning-curve": Suite("τ against training positions, both methods", "learning_curve",
@@ -255,7 +258,8 @@ def parser(chosen: str | None = None) -> argparse.ArgumentParser:
                                          "--out results/")
     suites = top.add_subparsers(dest="suite", required=True, metavar="SUITE", title="suites")
     for name, suite in SUITES.items():
-        description = importlib.import_module(f"bench.{suite.module}").__doc__ if name == chosen else suite.help
+        described_by = suite.described_by or suite.module
+        description = importlib.import_module(f"bench.{described_by}").__doc__ if name == chosen else suite.help
         suite.options(suites.add_parser(name, help=suite.help, description=description, formatter_class=Wide))
     return top
 

@@ -237,9 +237,3 @@ def step_cost(setup: Setup, method: str, k: int) -> list[dict]:
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
         return pool.submit(measure, setup, method, k).result()
 
-
-def run(args) -> int:
-    """``python -m bench step-cost``: the engine suites' runner, which plans this suite's steps."""
-    from .suites import run as run_suites
-
-    return run_suites(args)
