@@ -30,12 +30,12 @@ claiming the first of its scopes met on the way down (``trace.scope_parts``):
 
 vLLM's runner scopes come with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1; the scheduler's and front
 end's are the bench's own (``trace.BENCH_SCOPE``, set only in the bench's child process). Each
-batch size runs one unprofiled timed generation, then the same under vLLM's torch profiler with
-the scopes alone (the times), then with Python calls recorded (``torch_profiler_with_stack``),
-which slows Python more than kernels, so it gives only proportions: the draft's split into its
-parts and the plugin's share of each part. Means over the steps, in ms. ``sum / step`` is the
-parts' sum against the steps' start-to-start wall time; ``overhead`` is the profiled
-generation's wall time against the unprofiled one's.
+batch size runs three unprofiled timed generations, each followed by the same under vLLM's
+torch profiler with the scopes alone (the times, pooled), then one with Python calls recorded
+(``torch_profiler_with_stack``), which slows Python more than kernels, so it gives only
+proportions: the draft's split into its parts and the plugin's share of each part. Means over
+the steps, in ms. ``sum / step`` is the parts' sum against the steps' start-to-start wall time;
+``overhead`` is the profiled generations' median wall time against the unprofiled ones'.
 
 Writes DIR/results.json and DIR/report.md (a table per method and batch size). ``--quick``: eager
 engines, 8 tokens, for CI.
@@ -44,6 +44,7 @@ engines, 8 tokens, for CI.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import statistics
 import tempfile
@@ -64,6 +65,9 @@ SUITE = "step-cost"
 METHODS = ("none", "ngram", EAGLE3, EDSD, f"{EAGLE3}+lookup", f"{EDSD}+lookup")
 BATCH_SIZES = "1,8"
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# Unprofiled and profiled generations, taken in turn: the overhead compares their medians, so
+# that a change in the machine's load touches both alike; the split pools the profiled ones' steps.
+REPEATS = 3
 
 # The functions the bench scopes, (module, class, function): the front end's step, the
 # scheduler's and the output processing the runner's own scopes do not cover.
@@ -103,8 +107,6 @@ COLUMNS = (*list(STEP_PARTS)[:4], *DRAFT_COLUMNS, *list(STEP_PARTS)[5:], PLUGIN,
 def install_scopes() -> None:
     """Wrap ``SCOPED`` in record_function scopes, for the rest of this process: only the bench's
     child process that profiles one engine calls it, never a serving process."""
-    import importlib
-
     from torch.autograd.profiler import record_function
 
     for module, owner, function in SCOPED:
@@ -133,7 +135,7 @@ def part_times(step: trace.Call) -> dict[str, float]:
 
 def plugin_shares(steps: list[trace.Call]) -> dict[str, float]:
     """The share of each part (and of the rest) that vllm-edsd's frames take, over steps traced
-    with Python calls; the draft's is its ``trace.draft_parts`` share."""
+    with Python calls; the draft's is left at 0 here (``draft_shares`` splits the draft)."""
     plugin = dict.fromkeys((*STEP_PARTS, REST), 0.0)
     total = dict.fromkeys(plugin, 0.0)
     for step in steps:
@@ -161,12 +163,13 @@ def split(timed: list[tuple[trace.Call, float]], traced: list[trace.Call]) -> di
     timed with scopes alone and the proportions of the steps traced with Python calls."""
     if not timed or not traced:
         raise EDSDError("the profiled generation has no decode step followed by another step")
-    times = {part: statistics.fmean(part_times(step)[part] for step, _ in timed) for part in (*STEP_PARTS, REST)}
+    per_step = [part_times(step) for step, _ in timed]
+    times = {part: statistics.fmean(step[part] for step in per_step) for part in per_step[0]}
     shares, in_draft = plugin_shares(traced), draft_shares(traced)
-    parts = {part: times[part] * (1 - shares[part]) for part in times if part != DRAFT}
+    outside = [part for part in times if part != DRAFT]
+    parts = {part: times[part] * (1 - shares[part]) for part in outside}
     parts |= {column: times[DRAFT] * in_draft[name] for column, name in zip(DRAFT_COLUMNS, DRAFT_NAMES)}
-    parts[PLUGIN] = sum(times[part] * shares[part] for part in times if part != DRAFT) + times[DRAFT] * in_draft[
-        trace.PLUGIN]
+    parts[PLUGIN] = sum(times[part] * shares[part] for part in outside) + times[DRAFT] * in_draft[trace.PLUGIN]
     ms = {column: parts[column] / 1e3 for column in COLUMNS}
     step = statistics.fmean(wall for _, wall in timed) / 1e3
     return {"steps": len(timed), "parts_ms": ms, "sum_ms": sum(ms.values()), "step_ms": step,
@@ -190,8 +193,9 @@ def profiled(llm, trace_dir: Path, with_stack: bool, generate) -> tuple[list[tra
 
 
 def batch_row(llm, trace_dir: Path, max_tokens: int, batch: int) -> dict:
-    """The split of one batch size's decode steps: a warm-up, an unprofiled timed generation,
-    one profiled with scopes alone (the times) and one with Python calls (the proportions)."""
+    """The split of one batch size's decode steps: a warm-up, ``REPEATS`` unprofiled timed
+    generations in turn with as many profiled with scopes alone (the times), then one with Python
+    calls (the proportions)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -203,15 +207,19 @@ def batch_row(llm, trace_dir: Path, max_tokens: int, batch: int) -> dict:
         llm.chat(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    generate()
-    unprofiled = generate()
-    timed_roots, profiled_wall = profiled(llm, trace_dir, False, generate)
+    generate()  # the warm-up
+    unprofiled, profiled_walls, timed = [], [], []
+    for _ in range(REPEATS):
+        unprofiled.append(generate())
+        timed_roots, wall = profiled(llm, trace_dir, False, generate)
+        profiled_walls.append(wall)
+        timed += timed_steps(timed_roots)
     traced_roots, _ = profiled(llm, trace_dir, True, generate)
     return {"batch_size": batch, "dtype": engine_dtype(llm),
-            **split(timed_steps(timed_roots), [step for step, _ in timed_steps(traced_roots)]),
+            **split(timed, [step for step, _ in timed_steps(traced_roots)]),
             "engine_steps": len(trace.matching(timed_roots, lambda c: c.name == STEP)),
-            "unprofiled_wall_s": unprofiled, "profiled_wall_s": profiled_wall,
-            "overhead": profiled_wall / unprofiled - 1}
+            "unprofiled_wall_s": unprofiled, "profiled_wall_s": profiled_walls,
+            "overhead": statistics.median(profiled_walls) / statistics.median(unprofiled) - 1}
 
 
 def measure(setup: Setup, method: str, k: int) -> list[dict]:
