@@ -135,28 +135,27 @@ def test_draft_length_variants_side_by_side(models, tmp_path):
 
 
 def test_step_cost_splits_whole_decode_steps(models, tmp_path):
-    """``bench step-cost --quick`` on the toy target alone and with the EDSD drafter, one engine
-    each for batch 1 and 8: every row's parts add up to its measured step within 5 %, none is
-    negative, the draft's parts and the plugin's hooks are there only with the drafter, and the
-    report has a table per batch size."""
+    """``bench step-cost --quick`` with the toy target's EDSD drafter, one engine for batch 1 and
+    8 (without speculation is left out to keep CI to one engine start; the unit tests split steps
+    without a draft): every row's parts add up to its measured step within 5 %, none is negative,
+    the drafter's forward and the plugin's hooks are there, and the report has a table per batch
+    size."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "bench", "step-cost", "--quick", "--out", str(out), "--target", models["llama"],
-           "--edsd", models["llama-edsd"], "--methods", "none,edsd"]
+           "--edsd", models["llama-edsd"], "--methods", "edsd"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
-    rows = {(r["method"], r["batch_size"]): r for r in results["runs"]}
-    assert set(rows) == {(method, batch) for method in ("none", "edsd") for batch in (1, 8)}
+    rows = {r["batch_size"]: r for r in results["runs"]}
+    assert set(rows) == {1, 8} and {r["method"] for r in rows.values()} == {"edsd"}
     for row in rows.values():
         assert row["steps"] > 0 and row["dtype"] == "float32"
         assert abs(row["sum_over_step"] - 1) < 0.05, row
-        assert min(row["parts_ms"].values()) >= -1e-6 and row["parts_ms"]["target forward"] > 0
-    for batch in (1, 8):
-        drafted, plain = rows["edsd", batch]["parts_ms"], rows["none", batch]["parts_ms"]
-        assert drafted["draft: drafter forward"] > 0 == plain["draft: drafter forward"]
-        assert drafted["plugin hooks"] > 0
+        parts = row["parts_ms"]
+        assert min(parts.values()) >= -1e-6
+        assert parts["target forward"] > 0 and parts["draft: drafter forward"] > 0 and parts["plugin hooks"] > 0
     report = (out / "report.md").read_text()
-    assert "### Batch 1" in report and "### Batch 8" in report and "| part | none | edsd K=4 |" in report
+    assert "### Batch 1" in report and "### Batch 8" in report and "| part | edsd K=4 |" in report
 
 
 def test_schedule_is_measured_then_served(models, tmp_path):
