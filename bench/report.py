@@ -55,11 +55,11 @@ def _draft_cost(rows: list[dict]) -> list[str]:
 def _step_cost(rows: list[dict]) -> list[str]:
     """The step-cost tables: one per batch size, a column per method, a row per part of the
     decode step, then their sum against the measured step (bench/step_cost.py)."""
-    out = ["\n## The whole decode step by part (ms per step; vLLM's profiler, engine core in process)\n\n"
-           "Means over the decode steps of one profiled generation; the draft's parts and the plugin hooks' "
-           "share from a second one with Python calls recorded. step: the steps' start-to-start wall time; "
-           "overhead: the profiled generation's wall time over the unprofiled one's (`python -m bench step-cost "
-           "--help` defines every part).\n"]
+    out = ["\n## The whole decode step by part (ms per step; engine core in the bench's process)\n\n"
+           "Means over the decode steps of three generations whose scopes read the clock; the draft's parts and "
+           "the plugin hooks' share from one more under vLLM's profiler recording Python calls. step: the steps' "
+           "start-to-start wall time; overhead: the timed generations' median wall time over the unprofiled "
+           "ones' (`python -m bench step-cost --help` defines every part).\n"]
     for batch in sorted({r["batch_size"] for r in rows}):
         at = [r for r in rows if r["batch_size"] == batch]
         names = list(at[0]["parts_ms"])

@@ -28,14 +28,17 @@ claiming the first of its scopes met on the way down (``trace.scope_parts``):
 - plugin hooks: the own time of vllm-edsd's frames, taken out of whichever part holds them
 - rest: the step's time that no part claims (the executor's calls, stats, the loop)
 
-vLLM's runner scopes come with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1; the scheduler's and front
-end's are the bench's own (``trace.BENCH_SCOPE``, set only in the bench's child process). Each
-batch size runs three unprofiled timed generations, each followed by the same under vLLM's
-torch profiler with the scopes alone (the times, pooled), then one with Python calls recorded
-(``torch_profiler_with_stack``), which slows Python more than kernels, so it gives only
-proportions: the draft's split into its parts and the plugin's share of each part. Means over
-the steps, in ms. ``sum / step`` is the parts' sum against the steps' start-to-start wall time;
-``overhead`` is the profiled generations' median wall time against the unprofiled ones'.
+The scopes: vLLM's runner and front end name theirs through ``record_function_or_nullcontext``,
+which the bench points at its own ``Scopes`` (in its child process only); the scheduler's and
+the output processing's are the bench's (``trace.BENCH_SCOPE``). Each batch size runs three
+unprofiled generations, each followed by the same timed: its scopes read the clock alone
+(``time.perf_counter_ns``, a few µs per scope, about 20 scopes a step), not the torch profiler,
+whose cost per operator would swell the parts with many small operators. Then one generation
+under vLLM's torch profiler recording Python calls (``torch_profiler_with_stack``), which slows
+Python more than kernels, so it gives only proportions: the draft's split into its parts
+(``trace.draft_parts``) and the plugin's share of each part. Means over the timed generations'
+steps, in ms. ``sum / step`` is the parts' sum against the steps' start-to-start wall time;
+``overhead`` is the timed generations' median wall time against the unprofiled ones'.
 
 Writes DIR/results.json and DIR/report.md (a table per method and batch size). ``--quick``: eager
 engines, 8 tokens, for CI.
@@ -49,7 +52,9 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -58,7 +63,7 @@ from vllm_edsd.launch.engine import engine_dtype, llm_session
 from vllm_edsd.methods.registry import EAGLE3, EDSD
 
 from . import trace
-from .draft_cost import SCOPES_ENV, written_trace
+from .draft_cost import written_trace
 from .offline import Setup, load_prompts, method_config
 
 SUITE = "step-cost"
@@ -84,10 +89,11 @@ def scope(owner: str, function: str) -> str:
 
 
 STEP = scope("LLMEngine", "step")
+SCHEDULE = scope("Scheduler", "schedule")
 RUNNER = "gpu_model_runner: "
 DRAFT = "draft"
 STEP_PARTS = {
-    "scheduler": (scope("Scheduler", "schedule"), scope("Scheduler", "update_draft_token_ids")),
+    "scheduler": (SCHEDULE, scope("Scheduler", "update_draft_token_ids")),
     "input preparation": (RUNNER + "preprocess",),
     "target forward": (RUNNER + "forward", RUNNER + "postprocess"),
     "sampling": (RUNNER + "sample",),
@@ -104,19 +110,73 @@ DRAFT_COLUMNS = tuple(f"{DRAFT}: {name}" for name in DRAFT_NAMES)
 COLUMNS = (*list(STEP_PARTS)[:4], *DRAFT_COLUMNS, *list(STEP_PARTS)[5:], PLUGIN, REST)
 
 
-def install_scopes() -> None:
-    """Wrap ``SCOPED`` in record_function scopes, for the rest of this process: only the bench's
-    child process that profiles one engine calls it, never a serving process."""
-    from torch.autograd.profiler import record_function
+class Scopes:
+    """The scopes of vLLM's runner (its ``record_function_or_nullcontext``) and the bench's own
+    (``SCOPED``), in one of three modes: off (no cost, the unprofiled generations), ``CLOCK``
+    (timed with ``time.perf_counter_ns`` alone into ``events``, Chrome's complete events: the
+    timed generations, without the torch profiler's cost per operator) or ``TORCH`` (torch's
+    ``record_function``, for vLLM's profiler recording Python calls)."""
 
+    CLOCK, TORCH = "clock", "torch"
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.events: list[dict] = []
+
+    def __call__(self, name: str) -> AbstractContextManager:
+        if self.mode == self.CLOCK:
+            return self._timed(name)
+        if self.mode == self.TORCH:
+            from torch.autograd.profiler import record_function
+
+            return record_function(name)
+        return nullcontext()
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.add(name, start, time.perf_counter_ns())
+
+    def add(self, name: str, start_ns: int, end_ns: int) -> None:
+        self.events.append({"ph": "X", "name": name, "cat": "user_annotation", "ts": start_ns / 1e3,
+                            "dur": (end_ns - start_ns) / 1e3, "pid": 0, "tid": 0})
+
+    def mark(self, scheduler_output) -> None:
+        """Where vLLM's profiler is off, the worker's step mark (``trace.STEP``) from what the
+        scheduler scheduled: a request prefills where it is new or runs more tokens than one
+        plus its drafts."""
+        if self.mode != self.CLOCK:
+            return
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        new = {request.req_id for request in scheduler_output.scheduled_new_reqs}
+        counts = scheduler_output.num_scheduled_tokens
+        prefilling = {r for r, n in counts.items() if r in new or n > 1 + len(drafts.get(r, ()))}
+        tokens = [sum(n for r, n in counts.items() if (r in prefilling) == side) for side in (True, False)]
+        now = time.perf_counter_ns()
+        self.add(f"execute_context_{len(prefilling)}({tokens[0]})_generation_{len(counts) - len(prefilling)}"
+                 f"({tokens[1]})", now, now)
+
+
+def install_scopes(scopes: Scopes) -> None:
+    """Put ``scopes`` in vLLM's place and around ``SCOPED``, for the rest of this process: only
+    the bench's child process that measures one engine calls it, never a serving process."""
+    from vllm.v1 import utils
+
+    utils._PROFILER_FUNC = scopes  # what vLLM's record_function_or_nullcontext returns its scopes from
     for module, owner, function in SCOPED:
         cls = getattr(importlib.import_module(module), owner)
         original, name = getattr(cls, function), scope(owner, function)
 
         @functools.wraps(original)
         def scoped(*args, _original=original, _name=name, **kwargs):
-            with record_function(_name):
-                return _original(*args, **kwargs)
+            with scopes(_name):
+                result = _original(*args, **kwargs)
+            if _name == SCHEDULE:
+                scopes.mark(result)
+            return result
 
         setattr(cls, function, scoped)
 
@@ -176,26 +236,34 @@ def split(timed: list[tuple[trace.Call, float]], traced: list[trace.Call]) -> di
             "sum_over_step": sum(ms.values()) / step}
 
 
-def profiled(llm, trace_dir: Path, with_stack: bool, generate) -> tuple[list[trace.Call], float]:
-    """The call trees of one ``generate()`` under vLLM's torch profiler, and its wall time (s).
-    The worker makes its profiler from its config at the next start, so that the Python calls
-    are recorded or not per generation in one engine."""
+def traced(llm, trace_dir: Path, scopes: Scopes, generate) -> list[trace.Call]:
+    """The call trees of one ``generate()`` under vLLM's torch profiler recording Python calls.
+    The worker makes its profiler from its config at its first start."""
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-    worker.profiler = None
-    worker.profiler_config.torch_profiler_with_stack = with_stack
+    worker.profiler_config.torch_profiler_with_stack = True
+    scopes.mode = Scopes.TORCH
     llm.start_profile()
-    wall = generate()
+    generate()
     llm.stop_profile()
+    scopes.mode = None
     path = written_trace(trace_dir)
     roots = trace.call_trees(trace.read_events(path))
-    path.unlink()  # the next generation's trace is then the folder's only one
-    return roots, wall
+    path.unlink()  # the next batch size's trace is then the folder's only one
+    return roots
 
 
-def batch_row(llm, trace_dir: Path, max_tokens: int, batch: int) -> dict:
-    """The split of one batch size's decode steps: a warm-up, ``REPEATS`` unprofiled timed
-    generations in turn with as many profiled with scopes alone (the times), then one with Python
-    calls (the proportions)."""
+def clocked(scopes: Scopes, generate) -> tuple[list[trace.Call], float]:
+    """The call trees of one ``generate()`` timed by the clock alone, and its wall time (s)."""
+    scopes.mode, scopes.events = Scopes.CLOCK, []
+    wall = generate()
+    scopes.mode = None
+    return trace.call_trees(scopes.events), wall
+
+
+def batch_row(llm, trace_dir: Path, scopes: Scopes, max_tokens: int, batch: int) -> dict:
+    """The split of one batch size's decode steps: a warm-up, ``REPEATS`` unprofiled generations
+    in turn with as many timed by the clock (the times), then one under vLLM's profiler recording
+    Python calls (the proportions)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -208,32 +276,31 @@ def batch_row(llm, trace_dir: Path, max_tokens: int, batch: int) -> dict:
         return time.perf_counter() - start
 
     generate()  # the warm-up
-    unprofiled, profiled_walls, timed = [], [], []
+    unprofiled, timed_walls, timed = [], [], []
     for _ in range(REPEATS):
         unprofiled.append(generate())
-        timed_roots, wall = profiled(llm, trace_dir, False, generate)
-        profiled_walls.append(wall)
-        timed += timed_steps(timed_roots)
-    traced_roots, _ = profiled(llm, trace_dir, True, generate)
+        roots, wall = clocked(scopes, generate)
+        timed_walls.append(wall)
+        timed += timed_steps(roots)
     return {"batch_size": batch, "dtype": engine_dtype(llm),
-            **split(timed, [step for step, _ in timed_steps(traced_roots)]),
-            "engine_steps": len(trace.matching(timed_roots, lambda c: c.name == STEP)),
-            "unprofiled_wall_s": unprofiled, "profiled_wall_s": profiled_walls,
-            "overhead": statistics.median(profiled_walls) / statistics.median(unprofiled) - 1}
+            **split(timed, [step for step, _ in timed_steps(traced(llm, trace_dir, scopes, generate))]),
+            "engine_steps": len(trace.matching(roots, lambda c: c.name == STEP)),
+            "unprofiled_wall_s": unprofiled, "timed_wall_s": timed_walls,
+            "overhead": statistics.median(timed_walls) / statistics.median(unprofiled) - 1}
 
 
 def measure(setup: Setup, method: str, k: int) -> list[dict]:
     """One row per batch size of (method, K), from one engine whose core and worker run in this
     process, a child of the bench's made for it (``install_scopes`` stays in it)."""
     os.environ[IN_PROCESS_ENV] = "0"
-    os.environ[SCOPES_ENV] = "1"
-    install_scopes()
+    scopes = Scopes()
+    install_scopes(scopes)
     dtype = {"dtype": setup.dtype} if setup.dtype else {}
     with tempfile.TemporaryDirectory(prefix="bench-step-cost-") as trace_dir:
         profiler = {"profiler": "torch", "torch_profiler_dir": trace_dir}
         with llm_session(setup.target, method_config(setup, method, k), profiler_config=profiler,
                          enforce_eager=setup.eager, **dtype) as llm:
-            rows = [batch_row(llm, Path(trace_dir), setup.max_tokens, batch) for batch in setup.batch_sizes]
+            rows = [batch_row(llm, Path(trace_dir), scopes, setup.max_tokens, batch) for batch in setup.batch_sizes]
     return [{"suite": SUITE, "method": method, "k": k, "temperature": 0.0, "max_tokens": setup.max_tokens, **row}
             for row in rows]
 

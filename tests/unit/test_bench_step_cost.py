@@ -133,3 +133,33 @@ def test_the_suite_plans_its_methods_batches_and_dtype(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench", "step-cost", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "The split." in out and "engine-core output" in out
+
+
+class SchedulerOutput:
+    """What ``Scopes.mark`` reads of vLLM's SchedulerOutput: one new request prefilling 12
+    tokens, one decoding with 4 drafts, one decoding without."""
+
+    scheduled_new_reqs = [type("NewRequest", (), {"req_id": "new"})()]
+    num_scheduled_tokens = {"new": 12, "drafting": 5, "plain": 1}
+    scheduled_spec_decode_tokens = {"drafting": [1, 2, 3, 4]}
+
+
+def test_scopes_timed_by_the_clock_nest_as_a_trace_does():
+    """In clock mode the scopes are complete events that ``trace.call_trees`` nests, with the
+    worker's step mark from the scheduler's output; off, they record nothing."""
+    scopes = step_cost.Scopes()
+    with scopes(step_cost.STEP):
+        scopes.mark(SchedulerOutput())
+    assert scopes.events == []
+    scopes.mode = step_cost.Scopes.CLOCK
+    with scopes(step_cost.STEP):
+        with scopes(step_cost.SCHEDULE):
+            pass
+        scopes.mark(SchedulerOutput())
+        with scopes("gpu_model_runner: forward"):
+            sum(range(1000))
+    (step,) = trace.call_trees(scopes.events)
+    assert step.name == step_cost.STEP and step.duration > 0
+    assert [c.name for c in step.children] == [step_cost.SCHEDULE, "execute_context_1(12)_generation_2(6)",
+                                               "gpu_model_runner: forward"]
+    assert not trace.decodes_only(step)
