@@ -38,7 +38,9 @@ under vLLM's torch profiler recording Python calls (``torch_profiler_with_stack`
 Python more than kernels, so it gives only proportions: the draft's split into its parts
 (``trace.draft_parts``) and the plugin's share of each part. Means over the timed generations'
 steps, in ms. ``sum / step`` is the parts' sum against the steps' start-to-start wall time;
-``overhead`` is the timed generations' median wall time against the unprofiled ones'.
+``overhead`` is the timed generations' median wall time against the unprofiled ones', and
+``timing cost`` the scopes' own: a step's scopes times one scope's cost, measured apart, against
+the step (the wall times of a loaded machine vary more than that).
 
 Writes DIR/results.json and DIR/report.md (a table per method and batch size). ``--quick``: eager
 engines, 8 tokens, for CI.
@@ -139,6 +141,21 @@ class Scopes:
             yield
         finally:
             self.add(name, start, time.perf_counter_ns())
+
+    def cost_us(self, count: int = 10_000) -> float:
+        """µs that one clock-timed scope adds to what it wraps, the fastest of five rounds of
+        ``count``: times the scopes of a step, the timing's own cost per step, which a loaded
+        machine's noise hides in the generations' wall times."""
+        mode, events, rounds = self.mode, self.events, []
+        self.mode = self.CLOCK
+        for _ in range(5):
+            self.events, start = [], time.perf_counter_ns()
+            for _ in range(count):
+                with self("calibration"):
+                    pass
+            rounds.append((time.perf_counter_ns() - start) / count / 1e3)
+        self.mode, self.events = mode, events
+        return min(rounds)
 
     def add(self, name: str, start_ns: int, end_ns: int) -> None:
         self.events.append({"ph": "X", "name": name, "cat": "user_annotation", "ts": start_ns / 1e3,
@@ -282,9 +299,12 @@ def batch_row(llm, trace_dir: Path, scopes: Scopes, max_tokens: int, batch: int)
         roots, wall = clocked(scopes, generate)
         timed_walls.append(wall)
         timed += timed_steps(roots)
-    return {"batch_size": batch, "dtype": engine_dtype(llm),
-            **split(timed, [step for step, _ in timed_steps(traced(llm, trace_dir, scopes, generate))]),
+    row = split(timed, [step for step, _ in timed_steps(traced(llm, trace_dir, scopes, generate))])
+    scopes_per_step, scope_cost = statistics.fmean(sum(1 for _ in step.walk()) for step, _ in timed), scopes.cost_us()
+    return {"batch_size": batch, "dtype": engine_dtype(llm), **row,
             "engine_steps": len(trace.matching(roots, lambda c: c.name == STEP)),
+            "scopes_per_step": scopes_per_step, "scope_cost_us": scope_cost,
+            "timing_cost_share": scopes_per_step * scope_cost / 1e3 / row["step_ms"],
             "unprofiled_wall_s": unprofiled, "timed_wall_s": timed_walls,
             "overhead": statistics.median(timed_walls) / statistics.median(unprofiled) - 1}
 

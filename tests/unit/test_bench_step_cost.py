@@ -163,3 +163,9 @@ def test_scopes_timed_by_the_clock_nest_as_a_trace_does():
     assert [c.name for c in step.children] == [step_cost.SCHEDULE, "execute_context_1(12)_generation_2(6)",
                                                "gpu_model_runner: forward"]
     assert not trace.decodes_only(step)
+
+
+def test_a_scopes_cost_is_measured_apart():
+    scopes = step_cost.Scopes()
+    assert 0 < scopes.cost_us(count=100) < 1000
+    assert scopes.mode is None and scopes.events == []
