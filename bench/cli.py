@@ -24,6 +24,8 @@ from .draft_cost import DTYPES
 from .draft_cost import METHODS as DRAFT_COST_METHODS
 from .draft_cost import SUITE as DRAFT_COST
 from .offline import CATEGORIES, DEFAULT_METHODS
+from .step_cost import BATCH_SIZES as STEP_COST_BATCH_SIZES
+from .step_cost import METHODS as STEP_COST_METHODS
 from .vllm_serve import DTYPES as SERVER_DTYPES
 
 COMPUTED_DTYPE = "default: bfloat16 where the CPU computes it natively, else float32"
@@ -34,11 +36,13 @@ EAGER_HELP = ("engines and servers without torch.compile (vLLM's enforce_eager):
 
 @dataclass(frozen=True)
 class Suite:
-    """One suite: its line in ``python -m bench --help``, the module that runs it, its options."""
+    """One suite: its line in ``python -m bench --help``, the module that runs it, its options,
+    and the module whose docstring is its ``--help`` where that is not the one that runs it."""
 
     help: str
     module: str
     options: Callable[[argparse.ArgumentParser], None]
+    described_by: str | None = None
 
 
 def models(add, out_help: str, edsd_layouts: str) -> None:
@@ -59,15 +63,16 @@ def engine_models(parser: argparse.ArgumentParser) -> None:
              f"draft length), {EDSD}-batch-table (vLLM's K-by-batch-size table), {EDSD}+lookup and {EAGLE3}+lookup "
              f"(prompt lookup beside the drafter), {EDSD}-k1+lookup and {EAGLE3}-k1+lookup (the same, the drafter "
              f"drafting one token where the lookup drafts up to K) or {EDSD}-adaptive+lookup (both) "
-             f"(default {DEFAULT_METHODS}; draft-cost: {','.join(DRAFT_COST_METHODS)}, all it takes)")
+             f"(default {DEFAULT_METHODS}; draft-cost: {','.join(DRAFT_COST_METHODS)}, all it takes; step-cost: "
+             f"{','.join(STEP_COST_METHODS)})")
     add("--adaptive-threshold", type=float, default=DEFAULT_THRESHOLD,
         help=f"{EDSD}-adaptive's adaptive_draft_threshold (default {DEFAULT_THRESHOLD})")
     add("--k", default="4", help="num_speculative_tokens, comma-separated (default 4)")
     add("--quick", action="store_true", help="tiny sizes and --eager: proves the suites run (used by CI)")
     add("--eager", action="store_true", help=EAGER_HELP + " (draft-cost: --modes)")
     add("--dtype", choices=DTYPES, default=None,
-        help=f"the engines' dtype in every suite but draft-cost ({COMPUTED_DTYPE}); float32 keeps every "
-             "speculative reply the target's own, so all methods time the same texts")
+        help=f"the engines' dtype in every suite but draft-cost ({COMPUTED_DTYPE}; step-cost: float32); float32 "
+             "keeps every speculative reply the target's own, so all methods time the same texts")
     add("--seed", type=int, default=0,
         help="the offline engines' sampling seed (default 0): a sampled (T>0) row is one draw of its texts; "
              "rerun with other seeds to see how far its figures move")
@@ -93,7 +98,7 @@ def engine_sizes(parser: argparse.ArgumentParser) -> None:
         help="end each reply at the model's end of sequence, as users see it (default: every reply is "
              "--max-tokens long, ignore_eos, so every method does the same work; prompt lookup then also copies "
              "the repetition a small model writes past its answer)")
-    add("--batch-sizes", default=None, help="default 1,2,4,...,256 (quick: 1,4)")
+    add("--batch-sizes", default=None, help=f"default 1,2,4,...,256 (quick: 1,4; step-cost: {STEP_COST_BATCH_SIZES})")
     add("--mixed-batch", type=int, default=None,
         help="the mixed suite's batch; half of it opts out of drafting (default 16; quick 4)")
     add("--qps", default=None, help="request rates for latency (default 0.5,1,2,4; quick: 1)")
@@ -215,6 +220,8 @@ ENGINE_HELP = {"acceptance": "τ and tokens/s per category, batch 1",
 SUITES: dict[str, Suite] = {
     **{name: Suite(text, "suites", engine_options) for name, text in ENGINE_HELP.items()},
     DRAFT_COST: Suite("a draft step against a target step (profiler)", "suites", engine_options),
+    "step-cost": Suite("the whole decode step by part, scheduler to detokeniser", "suites", engine_options,
+                       described_by="step_cost"),
     "schedule": Suite("the K-by-batch-size table, measured and served", "schedule", schedule_options),
     "serve": Suite("vllm bench serve against servers at defaults", "vllm_serve", serve_options),
     "learning-curve": Suite("τ against training positions, both methods", "learning_curve",
@@ -251,7 +258,8 @@ def parser(chosen: str | None = None) -> argparse.ArgumentParser:
                                          "--out results/")
     suites = top.add_subparsers(dest="suite", required=True, metavar="SUITE", title="suites")
     for name, suite in SUITES.items():
-        description = importlib.import_module(f"bench.{suite.module}").__doc__ if name == chosen else suite.help
+        described_by = suite.described_by or suite.module
+        description = importlib.import_module(f"bench.{described_by}").__doc__ if name == chosen else suite.help
         suite.options(suites.add_parser(name, help=suite.help, description=description, formatter_class=Wide))
     return top
 

@@ -52,6 +52,29 @@ def _draft_cost(rows: list[dict]) -> list[str]:
     return out
 
 
+def _step_cost(rows: list[dict]) -> list[str]:
+    """The step-cost tables: one per batch size, a column per method, a row per part of the
+    decode step, then their sum against the measured step (bench/step_cost.py)."""
+    out = ["\n## The whole decode step by part (ms per step; engine core in the bench's process)\n\n"
+           "Means over the decode steps of three generations whose scopes read the clock; the draft's parts and "
+           "the plugin hooks' share from one more under vLLM's profiler recording Python calls. step: the steps' "
+           "start-to-start wall time; overhead: the timed generations' median wall time over the unprofiled "
+           "ones'; timing cost: the scopes' own cost per step, measured apart, over the step (`python -m bench "
+           "step-cost --help` defines every part).\n"]
+    for batch in sorted({r["batch_size"] for r in rows}):
+        at = [r for r in rows if r["batch_size"] == batch]
+        names = list(at[0]["parts_ms"])
+        figures = [(name, lambda r, name=name: _fmt(r["parts_ms"][name], ".3f")) for name in names] + [
+            ("**sum**", lambda r: _fmt(r["sum_ms"], ".3f")), ("**step**", lambda r: _fmt(r["step_ms"], ".3f")),
+            ("sum / step", lambda r: _fmt(r["sum_over_step"], ".1%")), ("steps", lambda r: str(r["steps"])),
+            ("overhead", lambda r: _fmt(r["overhead"], "+.1%")),
+            ("timing cost", lambda r: _fmt(r.get("timing_cost_share"), ".2%"))]
+        out.append(f"\n### Batch {batch}\n")
+        out.append(_table(["part", *(f"{r['method']} K={r['k']}" if r["method"] != "none" else "none" for r in at)],
+                          [[name, *(cell(r) for r in at)] for name, cell in figures]))
+    return out
+
+
 def _reply_length(config: dict) -> str:
     """How long each reply was: results written before --stop-at-eos always ignored EOS."""
     if config.get("ignore_eos", True):
@@ -199,6 +222,9 @@ def render(results: dict) -> str:
     cost = [r for r in runs if r["suite"] == "draft-cost"]
     if cost:
         out += _draft_cost(cost)
+    steps = [r for r in runs if r["suite"] == "step-cost"]
+    if steps:
+        out += _step_cost(steps)
     return "\n".join(out) + "\n"
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from vllm_edsd.errors import EDSDError
 from vllm_edsd.methods.registry import EAGLE3, EDSD
 
-from . import draft_cost
+from . import draft_cost, step_cost
 from .arguments import models_or_demo, numbers
 from .machine import machine
 from .offline import (
@@ -54,8 +54,8 @@ def chosen_methods(args: argparse.Namespace, drafters: dict[str, str]) -> list[s
     """The methods of --methods this run can measure: an unknown one is refused; one without its
     drafter, suffix decoding without arctic-inference, and vLLM's batch table on a vLLM without
     it are skipped, each with a note."""
-    requested = (args.methods or (",".join(draft_cost.METHODS) if args.suite == draft_cost.SUITE
-                                  else DEFAULT_METHODS)).split(",")
+    suite_methods = {draft_cost.SUITE: draft_cost.METHODS, step_cost.SUITE: step_cost.METHODS}
+    requested = (args.methods or ",".join(suite_methods.get(args.suite, ())) or DEFAULT_METHODS).split(",")
     known = ("none", *TRAINING_FREE, EAGLE3, EDSD, *VARIANTS)
     unknown = sorted(set(requested) - set(known))
     if unknown:
@@ -104,20 +104,27 @@ def build_setup(args: argparse.Namespace) -> Setup:
         target=target, drafters=drafters, methods=methods, ks=numbers("--k", args.k, int, 1),
         prompts_per_category=args.prompts_per_category or (2 if quick else 8),
         max_tokens=args.max_tokens or default_max_tokens(args),
-        batch_sizes=numbers("--batch-sizes", args.batch_sizes or ("1,4" if quick else "1,2,4,8,16,32,64,128,256"),
-                            int, 1),
+        batch_sizes=numbers("--batch-sizes", args.batch_sizes or default_batch_sizes(args), int, 1),
         temperatures=temperatures or [0.0], acceptance_temperatures=temperatures or [0.0, 1.0],
         adaptive_threshold=args.adaptive_threshold,
         mixed_batch=args.mixed_batch or (4 if quick else 16), ignore_eos=not args.stop_at_eos,
-        categories=categories, dtype=args.dtype, seed=args.seed, eager=args.eager or quick,
+        categories=categories, dtype=args.dtype or ("float32" if args.suite == step_cost.SUITE else None),
+        seed=args.seed, eager=args.eager or quick,
     )
 
 
 def default_max_tokens(args: argparse.Namespace) -> int:
-    """Tokens per prompt; draft-cost profiles a few dozen steps (a traced step is megabytes of JSON)."""
-    if args.suite == draft_cost.SUITE:
+    """Tokens per prompt; draft-cost and step-cost profile a few dozen steps (a traced step is megabytes of JSON)."""
+    if args.suite in (draft_cost.SUITE, step_cost.SUITE):
         return 8 if args.quick else 32
     return 24 if args.quick else 256
+
+
+def default_batch_sizes(args: argparse.Namespace) -> str:
+    """step-cost's batch 1 and 8; the other suites' sweep (quick: 1 and 4)."""
+    if args.suite == step_cost.SUITE:
+        return step_cost.BATCH_SIZES
+    return "1,4" if args.quick else "1,2,4,8,16,32,64,128,256"
 
 
 def batch_table_supported() -> bool:
@@ -136,6 +143,10 @@ def measurements(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace
              for method, k in setup.methods_with_k()] if offline_suites else []
     if draft_cost.SUITE in suites:
         steps += draft_cost_steps(setup, args)
+    if step_cost.SUITE in suites:
+        steps += [(f"{step_cost.SUITE} {method}", [step_cost.SUITE], functools.partial(step_cost.step_cost, setup,
+                                                                                        method, k))
+                  for method, k in setup.methods_with_k()]
     if "latency" in suites:
         from .latency import latency
 

@@ -8,6 +8,9 @@ g). A trace is Chrome's trace format, as ``torch.profiler`` exports it (``.json`
 ``.json.gz``); calls nest by time within a thread. With ``torch_profiler_with_stack`` the
 trace also holds every Python call (``python_function``), which is what splits a draft into
 its parts (``draft_parts``). See docs/architecture.md ("Patches") for the proposer's hooks.
+
+The step-cost suite adds scopes of its own (``BENCH_SCOPE``) around the engine's step and the
+scheduler's and front end's functions, and splits a whole step by scope names (``scope_parts``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 PYTHON = "python_function"
 MODULE_CALL = "nn.Module: "  # how the Python tracer names an nn.Module's call
 PLUGIN_FILES = "vllm_edsd/"
+BENCH_SCOPE = "bench: "  # the step-cost suite's own record_function scopes: "bench: Class.function"
 # Timestamps are microseconds with nanosecond fractions; a child may end a rounding error late.
 SLACK_US = 0.01
 
@@ -80,6 +84,10 @@ class Call:
     @property
     def self_time(self) -> float:
         return self.duration - sum(child.duration for child in self.children)
+
+    def plugin_time(self) -> float:
+        """The own time of vllm-edsd's frames in this call, at any depth (Python calls only)."""
+        return sum(call.self_time for call in self.walk() if call.in_plugin)
 
 
 @dataclass
@@ -182,3 +190,26 @@ def _part_of(call: Call) -> str | None:
         if call.function in functions:
             return part
     return DRAFTER_FORWARD if call.name.startswith(MODULE_CALL) else None
+
+
+def decodes_only(call: Call) -> bool:
+    """Whether ``call`` holds the worker's step marks and every one is a step that only decodes."""
+    marks = [STEP.fullmatch(c.name) for c in call.walk()]
+    counts = [tuple(int(g) for g in mark.groups()) for mark in marks if mark is not None]
+    return bool(counts) and all(prefilling == 0 and decoding > 0 for prefilling, _, decoding, _ in counts)
+
+
+def scope_parts(step: Call, parts: dict[str, tuple[str, ...]]) -> dict[str, list[Call]]:
+    """The calls inside ``step`` that each part claims by scope name; the first scope met on the
+    way down a call tree claims it, and scopes inside it are not claimed again, so a part's calls
+    never overlap another's and their durations add up to at most the step."""
+    owner = {name: part for part, names in parts.items() for name in names}
+    claimed: dict[str, list[Call]] = {part: [] for part in parts}
+    pending = list(step.children)
+    while pending:
+        call = pending.pop()
+        if call.name in owner:
+            claimed[owner[call.name]].append(call)
+        else:
+            pending += call.children
+    return claimed

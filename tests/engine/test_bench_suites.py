@@ -134,6 +134,30 @@ def test_draft_length_variants_side_by_side(models, tmp_path):
     assert "| edsd-adaptive | 4 | 1 | 8 |" in (out / "report.md").read_text()
 
 
+def test_step_cost_splits_whole_decode_steps(models, tmp_path):
+    """``bench step-cost --quick`` with the toy target's EDSD drafter, one engine for batch 1 and
+    8 (without speculation is left out to keep CI to one engine start; the unit tests split steps
+    without a draft): every row's parts add up to its measured step within 5 %, none is negative,
+    the drafter's forward and the plugin's hooks are there, and the report has a table per batch
+    size."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench", "step-cost", "--quick", "--out", str(out), "--target", models["llama"],
+           "--edsd", models["llama-edsd"], "--methods", "edsd"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["batch_size"]: r for r in results["runs"]}
+    assert set(rows) == {1, 8} and {r["method"] for r in rows.values()} == {"edsd"}
+    for row in rows.values():
+        assert row["steps"] > 0 and row["dtype"] == "float32"
+        assert abs(row["sum_over_step"] - 1) < 0.05, row
+        parts = row["parts_ms"]
+        assert min(parts.values()) >= -1e-6
+        assert parts["target forward"] > 0 and parts["draft: drafter forward"] > 0 and parts["plugin hooks"] > 0
+    report = (out / "report.md").read_text()
+    assert "### Batch 1" in report and "### Batch 8" in report and "| part | edsd K=4 |" in report
+
+
 def test_schedule_is_measured_then_served(models, tmp_path):
     """``bench schedule`` times none, K=0 (vLLM's table of one range with K 0), every request
     capped at 0 and each static K, writes a table vLLM accepts (from static K only), and times an
