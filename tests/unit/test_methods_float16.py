@@ -98,7 +98,8 @@ def test_paper_layer_drafts_in_float16_what_it_drafts_in_float32(paper_layer_dra
 def test_toy_target_with_a_massive_first_token_activation(massive_activation, drafter):
     """A target whose first token carries 30,000 on one dimension, and a drafter whose
     fed-back state grows per step, the paper's draft layer and the one whose attention also
-    reads the token: float16 drafts as float32 does."""
+    reads the token and whose fc reads the features normed (in float32, where float16 would
+    square the spike past its range): float16 drafts as float32 does."""
     target = load_target(massive_activation["target"])
     embed = target.model.embed_tokens.weight
     drafter = EDSDDraftModel.from_pretrained(massive_activation[drafter], embed_tokens=embed)
