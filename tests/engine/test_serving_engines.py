@@ -1,6 +1,7 @@
 """EDSD speculative decoding in real vLLM engines: lossless greedy output, parity of the
 drafts with the plain-PyTorch reference (both token norms, folded and unfolded, TP=1 and
-TP=2; EAGLE 3.1's drafters under vLLM's own eagle3), exact acceptance accounting, sampling,
+TP=2; the draft-layer switches, fc's input norms among them; EAGLE 3.1's drafters under vLLM's
+own eagle3), exact acceptance accounting, sampling,
 compilation, a second target architecture."""
 
 from __future__ import annotations
@@ -88,16 +89,25 @@ def test_llama3_rope_drafts_match_reference_model(models, parity_drafters, engin
     check_parity(models, engine_runs, baseline, served, source, "parity-llama3-rope", 1, specforge=False)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_token_reading_drafts_match_reference_model(models, parity_drafters, engine_runs, baseline, tp):
+# fc's input norms ride on the token-reading drafter's two engine starts: per layer at TP=1, over
+# both layers at TP=2.
+READS_TOKEN_CASES = [(1, "fc_norm"), (2, "norm_before_fc")]
+
+
+@pytest.mark.parametrize(("tp", "fc_input_norm"), READS_TOKEN_CASES,
+                         ids=[f"{norm}-tp{tp}" for tp, norm in READS_TOKEN_CASES])
+def test_token_reading_drafts_match_reference_model(models, parity_drafters, engine_runs, baseline, tp,
+                                                    fc_input_norm):
     """The draft layer whose attention also reads the token, with EDFuse's gate reading the
-    normed feature (``attention_reads_token``, ``feature_norm``): vLLM's chains are the
-    reference's, also with the wider q/k/v projection sharded over two ranks. At TP=2 the drafts
-    come from vLLM's local argmax reduction (``use_local_argmax_reduction``), which calls the
-    EDSD model's ``get_top_tokens``: each rank's argmax over its shard of the draft vocabulary."""
-    served, source = parity_drafters["reads-token"]
-    check_parity(models, engine_runs, baseline, served, source, f"parity-reads-token-tp{tp}", tp, specforge=False,
-                 use_local_argmax_reduction=tp == 2)
+    normed feature (``attention_reads_token``, ``feature_norm``) and fc reading the target's
+    features normed (``fc_norm``: one RMSNorm per aux layer; ``norm_before_fc``: one over both):
+    vLLM's chains are the reference's, also with the wider q/k/v projection sharded over two
+    ranks. At TP=2 the drafts come from vLLM's local argmax reduction
+    (``use_local_argmax_reduction``), which calls the EDSD model's ``get_top_tokens``: each
+    rank's argmax over its shard of the draft vocabulary."""
+    served, source = parity_drafters["reads-token", fc_input_norm]
+    check_parity(models, engine_runs, baseline, served, source, f"parity-reads-token-{fc_input_norm}-tp{tp}", tp,
+                 specforge=False, use_local_argmax_reduction=tp == 2)
 
 
 @pytest.mark.parametrize("variant", list(EAGLE31_DRAFTERS))

@@ -11,6 +11,7 @@ from support.drafters import edited_copy
 from support.prompts import PROMPTS
 from support.specforge_layout import write_specforge_checkpoint
 from support.toy import make_drafter, make_eagle3_drafter, make_target, toy_corpus
+from vllm_edsd.methods.draft_config import FC_INPUT_NORMS
 from vllm_edsd.methods.edsd.config import LAYERNORM, RMSNORM
 from vllm_edsd.methods.edsd.layouts import EDSD_TRAINING
 from weights_convert import convert
@@ -84,11 +85,12 @@ def build_parity_drafters(models: dict, root: Path) -> dict:
     )
     convert(llama3, root / "llama3-rope", target=models["llama"])
     drafters["llama3-rope"] = (str(root / "llama3-rope"), str(llama3))
-    reads_token = root / "reads-token-training"
-    make_drafter(models["llama"], reads_token, draft_vocab_size=256, layout=EDSD_TRAINING, seed=6,
-                 attention_reads_token=True, feature_norm=True)
-    convert(reads_token, root / "reads-token", target=models["llama"])
-    drafters["reads-token"] = (str(root / "reads-token"), str(reads_token))
+    for fc_input_norm in FC_INPUT_NORMS:  # the token-reading draft layer, fc's input normed either way
+        reads_token = root / f"reads-token-{fc_input_norm}-training"
+        make_drafter(models["llama"], reads_token, draft_vocab_size=256, layout=EDSD_TRAINING, seed=6,
+                     attention_reads_token=True, feature_norm=True, **{fc_input_norm: True})
+        convert(reads_token, root / f"reads-token-{fc_input_norm}", target=models["llama"])
+        drafters["reads-token", fc_input_norm] = (str(root / f"reads-token-{fc_input_norm}"), str(reads_token))
     for seed, (name, switches) in enumerate(EAGLE31_DRAFTERS.items(), start=7):
         make_eagle3_drafter(models["llama"], root / name, seed=seed, **switches)
         drafters[name] = (str(root / name), str(root / name))  # vLLM serves what the reference reads
@@ -140,10 +142,13 @@ def train_on_fitted(target: str, root: Path) -> dict:
 
 
 def build_massive_activation(root: Path) -> dict:
-    """The ``massive_activation`` fixture's target and drafter."""
+    """The ``massive_activation`` fixture's target and drafters: the paper's draft layer, and the
+    one whose attention also reads the token and whose fc reads the features normed
+    (``norm_before_fc``: normed in float32, where float16 squares the spike past its range)."""
     target = make_target(root / "target", seed=3, first_token_spike=30000.0)
     make_drafter(target, root / "drafter", draft_vocab_size=256, fusion_gain=5.0)
-    make_drafter(target, root / "reads-token", draft_vocab_size=256, fusion_gain=5.0, attention_reads_token=True)
+    make_drafter(target, root / "reads-token", draft_vocab_size=256, fusion_gain=5.0, attention_reads_token=True,
+                 norm_before_fc=True)
     return {"target": str(target), "drafter": str(root / "drafter"), "reads-token": str(root / "reads-token")}
 
 

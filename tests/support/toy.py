@@ -151,8 +151,7 @@ def make_drafter(
     seed: int = 0,
     constant_token: int | None = None,
     fusion_gain: float = 1.0,
-    attention_reads_token: bool = False,
-    feature_norm: bool = False,
+    **switches: bool,
 ) -> EDSDDraftModel:
     """A random EDSD drafter for a toy target, its token norm's weights random too (so that
     a wrong norm or a wrong fold changes its drafts). ``fusion_gain`` multiplies EDFuse's gate
@@ -162,16 +161,18 @@ def make_drafter(
     With ``constant_token`` the drafter always proposes that token: the final norm is
     zero, so every draft logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
     ``constant_token``. Its acceptance is therefore predictable from the target's output.
-    ``attention_reads_token`` and ``feature_norm`` build the draft layer that reads the token and
-    the normed feature (their norms' weights random as well).
+    ``switches`` (``EDSDConfig``'s: ``attention_reads_token``, ``feature_norm``, ``norm_before_fc``,
+    ``fc_norm``) build the draft layer that reads the token, the normed feature, fc's normed
+    input (their norms' weights random as well).
     """
     cfg = EDSDConfig.for_target(
         target_config(target_dir), aux_layer_ids, draft_vocab_size=draft_vocab_size, token_norm=token_norm
-    ).with_updates(attention_reads_token=attention_reads_token, feature_norm=feature_norm)
+    ).with_updates(**switches)
     torch.manual_seed(seed)
     model = EDSDDraftModel(cfg)
     with torch.no_grad():
-        randomise(model, [model.edfuse.token_norm, model.edfuse.feature_norm, model.midlayer.token_norm])
+        randomise(model, [model.edfuse.token_norm, model.edfuse.feature_norm, model.midlayer.token_norm,
+                          *model.fc_input_norms()])
         model.edfuse.gate_proj.weight.mul_(fusion_gain)
         model.edfuse.down_proj.weight.mul_(fusion_gain)
         vocab, draft_vocab = cfg.vocab_size, cfg.draft_vocab_size

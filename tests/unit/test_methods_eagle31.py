@@ -104,7 +104,9 @@ def target(tmp_path_factory) -> Path:
     (["--method", "eagle3", "--layers", "1,2,3", "--norm-before-fc", "--fc-norm"],
      "--method eagle3: --norm-before-fc and --fc-norm both norm fc's input"),
     (["--method", "edsd", "--layers", "1,3", "--norm-output", "--fc-norm"],
-     "--fc-norm, --norm-output: a switch of EAGLE-3's draft layer, not edsd's"),
+     "--norm-output: a switch of EAGLE-3's draft layer, not edsd's"),
+    (["--method", "edsd", "--layers", "1,3", "--norm-before-fc", "--fc-norm"],
+     "--method edsd: --norm-before-fc and --fc-norm both norm fc's input"),
 ])
 def test_edsd_train_refuses_a_switch_as_one_line_before_any_work(target, tmp_path, capsys, flags, message):
     assert main(["train", str(target), "--out", str(tmp_path / "run"), "--data", "unused.jsonl", *flags]) == 2

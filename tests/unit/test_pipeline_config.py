@@ -232,20 +232,22 @@ def test_edsd_only_keys_reach_edsd_alone(toy, tmp_path):
 
 def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
     """``train.attention_reads_token`` and ``train.feature_norm`` switch EDSD's draft layer away
-    from the paper's, EAGLE 3.1's keys EAGLE-3's; each method's run is given its own alone, and
-    ``edsd train`` shows them as flags."""
+    from the paper's, EAGLE 3.1's residual and output keys EAGLE-3's; each method's run is given
+    its own alone. fc's input norm (``train.norm_before_fc``) is both methods': both runs are
+    given it. ``edsd train`` shows them as flags."""
     from vllm_edsd.command import command_line
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
 
-    own = {"edsd": ("attention_reads_token", "feature_norm"),
-           "eagle3": ("norm_before_fc", "norm_before_residual", "norm_output")}
-    train = {name: True for names in own.values() for name in names}
+    own = {"edsd": ("attention_reads_token", "feature_norm"), "eagle3": ("norm_before_residual", "norm_output")}
+    shared = ("norm_before_fc",)
+    train = {name: True for names in (*own.values(), shared) for name in names}
     plan = Plan(load_config(toy_config(toy, tmp_path / "work", train=train)))
     for method, names in own.items():
         options, other = plan.train_options(method), plan.train_options("eagle3" if method == "edsd" else "edsd")
         assert all(getattr(options, name) and not getattr(other, name) for name in names)
-        assert {f"--{name.replace('_', '-')}" for name in names} <= set(command_line("train", options))
+        assert all(getattr(options, name) for name in shared)
+        assert {f"--{name.replace('_', '-')}" for name in (*names, *shared)} <= set(command_line("train", options))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -190,9 +190,9 @@ def test_cached_hub_verifier_is_left_to_vllm_offline(models, served_alone, tmp_p
 
 
 def test_the_draft_layer_switches_survive_the_speculators_format(models, tmp_path):
-    """A drafter whose attention also reads the token and whose gate reads the normed feature,
-    converted into the speculators format: vLLM's reader of the speculators fields gives the
-    plugin a draft config with both switches on."""
+    """A drafter whose attention also reads the token, whose gate reads the normed feature and
+    whose fc reads its input normed per layer, converted into the speculators format: vLLM's
+    reader of the speculators fields gives the plugin a draft config with the three switches on."""
     from support.toy import make_drafter
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
@@ -201,8 +201,8 @@ def test_the_draft_layer_switches_survive_the_speculators_format(models, tmp_pat
 
     vllm_edsd.register()
     make_drafter(models["llama"], tmp_path / "training", draft_vocab_size=256, layout=EDSD_TRAINING,
-                 attention_reads_token=True, feature_norm=True)
+                 attention_reads_token=True, feature_norm=True, fc_norm=True)
     assert main(["convert", str(tmp_path / "training"), str(tmp_path / "served"), "--target", models["llama"]]) == 0
     pre_trained = SpeculatorsConfig.extract_transformers_pre_trained_config(read(tmp_path / "served"))
     drafter = EDSD_VLLM.read_config(pre_trained, source="speculators")
-    assert drafter.attention_reads_token and drafter.feature_norm
+    assert drafter.attention_reads_token and drafter.feature_norm and drafter.fc_norm

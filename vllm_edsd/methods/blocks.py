@@ -16,7 +16,7 @@ chain that a serving engine would draft there.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -164,6 +164,16 @@ def draft_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(dim=-1)
 
 
+def norm_parts(features: torch.Tensor, norms: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+    """``features`` cut into ``len(norms)`` equal parts along the last dimension, each normed by
+    its own norm, joined again: ``fc``'s input norms, one over all the target features
+    (``norm_before_fc``) or one per target layer (``fc_norm``). No norms: the features as they are."""
+    if not norms:
+        return features
+    parts = features.chunk(len(norms), -1)
+    return torch.cat([norm(part) for norm, part in zip(norms, parts, strict=True)], -1)
+
+
 class DraftHead(nn.Module):
     """What every EAGLE-style drafter here has: the target's frozen embedding, ``fc`` over the
     concatenated target features of ``aux_layer_ids`` (vLLM's convention), the final norm, the
@@ -171,21 +181,32 @@ class DraftHead(nn.Module):
     the loading of a drafter directory (``from_pretrained``). Subclasses add the draft layer
     (``midlayer``), ``step`` and ``unloaded``."""
 
-    def __init__(self, cfg: DraftConfig, aux_layer_ids: tuple[int, ...]) -> None:
+    def __init__(self, cfg: DraftConfig, aux_layer_ids: tuple[int, ...], *, norm_before_fc: bool = False,
+                 fc_norm: bool = False) -> None:
         super().__init__()
         self.config = cfg
         self.aux_layer_ids = tuple(sorted(aux_layer_ids))  # the target features ``fc`` reads, in this order
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(len(aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        width, eps = cfg.target_hidden_size, cfg.rms_norm_eps
+        # fc's input norms (``FC_INPUT_NORMS``, one of them at most): over all of it, or per target layer
+        self.input_norm = RMSNorm(len(aux_layer_ids) * width, eps) if norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(width, eps) for _ in aux_layer_ids) if fc_norm else None
+        self.fc = nn.Linear(len(aux_layer_ids) * width, cfg.hidden_size, bias=False)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
 
+    def fc_input_norms(self) -> list[RMSNorm]:
+        """The RMSNorms of ``fc``'s input, each over its equal part of the features: ``input_norm``
+        over all of them (``norm_before_fc``), or ``fc_norm``'s one per target layer; none by default."""
+        return [self.input_norm] if self.input_norm is not None else list(self.fc_norm or ())
+
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """``fc`` on the concatenated target features (first draft step only)."""
-        return self.fc(features)
+        """``fc`` on the concatenated target features (first draft step only), normed first as
+        vLLM's ``combine_hidden_states`` norms them."""
+        return self.fc(norm_parts(features, self.fc_input_norms()))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

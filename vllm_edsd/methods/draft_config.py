@@ -10,6 +10,7 @@ the converter, the trainer, the reference models and the vLLM plugin cannot disa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -28,6 +29,10 @@ ROPE_SCALING_FIELDS = {  # what each scaled RoPE reads, beyond rope_theta
 TARGET_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_parameters", "rope_theta",
                      "rope_scaling")
+# Two ways to norm fc's input, EAGLE 3.1's, under speculators' names (either method has both): one
+# RMSNorm over the concatenated target features (``input_norm``), or one per target layer
+# (``fc_norm.{i}``). One of them at most.
+FC_INPUT_NORMS = ("norm_before_fc", "fc_norm")
 
 
 def rope_parameters_of(raw: dict, source: str = "config.json") -> dict:
@@ -89,6 +94,17 @@ def flag(value: Any, what: str, reading: Reading) -> bool:
     if not isinstance(value, bool):
         raise EDSDError(f"{what} must be true or false")
     return value
+
+
+def refuse_both_fc_input_norms(switches: Mapping[str, Any], where: str,
+                               spell: Callable[[str], str] = str) -> None:
+    """One line where ``switches`` turns on both ``norm_before_fc`` and ``fc_norm`` (``spell``
+    writes a switch's name as ``where`` knows it: a flag, a TOML key): vLLM would apply both,
+    a drafter nobody trains."""
+    if all(switches.get(name) for name in FC_INPUT_NORMS):
+        first, second = map(spell, FC_INPUT_NORMS)
+        raise EDSDError(f"{where}: {first} and {second} both norm fc's input (one RMSNorm over the target "
+                        "layers together, or one per layer): turn on one of them")
 
 
 def _one_layer(value: Any, what: str, reading: Reading) -> int:

@@ -137,9 +137,10 @@ class Train:
     token_norm: str | None = field(default=None, metadata={CHOICES: TOKEN_NORMS})
     attention_reads_token: bool | None = None  # the draft layer also reads the token (not the paper's)
     feature_norm: bool | None = None  # EDFuse's gate reads the normed feature (not the paper's)
-    # EAGLE 3.1's norms (EDSD has no such part: its runs leave these out; norm_before_fc or fc_norm, not both)
+    # fc's input norms, EAGLE 3.1's, for both methods' runs (norm_before_fc or fc_norm, not both)
     norm_before_fc: bool | None = None  # one RMSNorm over fc's whole input
     fc_norm: bool | None = None  # one RMSNorm per target layer before fc
+    # EAGLE 3.1's other norms (EDSD has no such part: its runs leave these out)
     norm_before_residual: bool | None = None  # the draft layer's residual is the normed state
     norm_output: bool | None = None  # the fed-back state is the final norm's output
     # the run

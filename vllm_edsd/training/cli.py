@@ -32,6 +32,7 @@ examples:
   edsd train TARGET --out runs/edsd --layers-from layers.json          # EDSD (EDSelect's layers)
   edsd train TARGET --out runs/eagle3 --method eagle3                  # the baseline, same data
   edsd train TARGET --out runs/eagle31 --method eagle3 --norm-before-fc --norm-before-residual --norm-output
+  edsd train TARGET --out runs/edsd-fcnorm --layers-from layers.json --fc-norm   # EDSD, fc's input normed per layer
   edsd train TARGET --out runs/edsd --layers 2,3 --epochs 2 --max-samples 64 --device cpu
 then: edsd convert runs/edsd/final drafter   (the EAGLE-3 checkpoint is served as it is)
 """
@@ -96,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_draft_layer_arguments(parser: argparse.ArgumentParser) -> None:
     """The switches of each method's draft layer (``Method.switches``): EDSD's beyond the paper,
-    EAGLE 3.1's norms for EAGLE-3; another method's switch is refused by ``training.drafter``."""
+    fc's input norms for both methods, EAGLE 3.1's other norms for EAGLE-3; another method's
+    switch is refused by ``training.drafter``."""
     parser.add_argument("--token-norm", choices=TOKEN_NORMS,
                         help="EDFuse's norm of the token embedding: rmsnorm (SpecForge's, default) or layernorm "
                              "(with bias, as the paper's prose describes)")
@@ -106,16 +108,20 @@ def add_draft_layer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-norm", action="store_true",
                         help="EDFuse's gate reads the normed feature, so the fed-back state stays bounded (not the "
                              "paper's design; docs/paper.md)")
+    fc_input = parser.add_argument_group(
+        "fc's input norms (either method; EAGLE 3.1's)",
+        "the target features reach fc unnormalised by default (the paper's EDSD, EAGLE-3 as first published); "
+        "one of these norms them first, as vLLM's eagle3 does")
+    fc_input.add_argument("--norm-before-fc", action="store_true",
+                          help="one RMSNorm over the target layers' features together, before fc "
+                               "(config.json: norm_before_fc, EDSD's in edsd_config; not with --fc-norm)")
+    fc_input.add_argument("--fc-norm", action="store_true",
+                          help="one RMSNorm per target layer, before fc: the per-layer alternative to "
+                               "--norm-before-fc (config.json: fc_norm)")
     eagle31 = parser.add_argument_group(
         "EAGLE 3.1 (--method eagle3 only)",
         "EAGLE-3's draft layer with more norms, as speculators trains it by default (--norm-before-fc "
         "--norm-before-residual --norm-output) and vLLM's own eagle3 serves it; off: EAGLE-3 as first published")
-    eagle31.add_argument("--norm-before-fc", action="store_true",
-                         help="one RMSNorm over the three target layers' features together, before fc "
-                              "(config.json: norm_before_fc; not with --fc-norm)")
-    eagle31.add_argument("--fc-norm", action="store_true",
-                         help="one RMSNorm per target layer, before fc: the per-layer alternative to "
-                              "--norm-before-fc (config.json: fc_norm)")
     eagle31.add_argument("--norm-before-residual", action="store_true",
                          help="the draft layer's residual is its normed input state rather than the raw one "
                               "(config.json: norm_before_residual)")

@@ -2,7 +2,8 @@
 (``model.py``, built from ``methods/blocks.py``); its drafters are written in the layout vLLM's
 own EAGLE-3 method loads (``layouts.py``); EAGLE 3.1's switches of its norms (``config.py``)."""
 
-from vllm_edsd.methods.eagle3.config import SWITCHES, refuse_both_fc_input_norms
+from vllm_edsd.methods.draft_config import refuse_both_fc_input_norms
+from vllm_edsd.methods.eagle3.config import SWITCHES
 from vllm_edsd.methods.eagle3.layouts import EAGLE3_LAYOUT
 from vllm_edsd.methods.eagle3.model import Eagle3DraftModel
 from vllm_edsd.methods.registry import EAGLE3, VLLM_EAGLE3, Method

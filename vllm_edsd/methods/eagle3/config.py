@@ -17,28 +17,14 @@ where such a file leaves it out, so this reader does too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm_edsd.checkpoint.schema import Reading, entry
-from vllm_edsd.errors import EDSDError
-from vllm_edsd.methods.draft_config import DraftConfig, flag
+from vllm_edsd.methods.draft_config import FC_INPUT_NORMS, DraftConfig, flag, refuse_both_fc_input_norms
 from vllm_edsd.methods.registry import VLLM_EAGLE3
 
-SWITCHES = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")  # EAGLE 3.1's, speculators' names
-FC_INPUT_NORMS = ("norm_before_fc", "fc_norm")  # two ways to norm fc's input: one of them at most
-
-
-def refuse_both_fc_input_norms(switches: Mapping[str, Any], where: str,
-                               spell: Callable[[str], str] = str) -> None:
-    """One line where ``switches`` turns on both ``norm_before_fc`` and ``fc_norm`` (``spell``
-    writes a switch's name as ``where`` knows it: a flag, a TOML key): vLLM would apply both,
-    a drafter nobody trains."""
-    if all(switches.get(name) for name in FC_INPUT_NORMS):
-        first, second = map(spell, FC_INPUT_NORMS)
-        raise EDSDError(f"{where}: {first} and {second} both norm fc's input (one RMSNorm over the three target "
-                        "layers together, or one per layer): turn on one of them")
+SWITCHES = (*FC_INPUT_NORMS, "norm_before_residual", "norm_output")  # EAGLE 3.1's, speculators' names
 
 
 def _norm_before_fc(reading: Reading) -> Any:

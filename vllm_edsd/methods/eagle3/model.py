@@ -54,26 +54,13 @@ class Eagle3DraftModel(DraftHead):
 
     def __init__(self, cfg: DraftConfig, aux_layer_ids: tuple[int, int, int]) -> None:
         cfg = Eagle3Config.of(cfg)
-        super().__init__(cfg, aux_layer_ids)
-        width, eps = cfg.target_hidden_size, cfg.rms_norm_eps
-        self.input_norm = RMSNorm(len(aux_layer_ids) * width, eps) if cfg.norm_before_fc else None
-        self.fc_norm = nn.ModuleList(RMSNorm(width, eps) for _ in aux_layer_ids) if cfg.fc_norm else None
+        super().__init__(cfg, aux_layer_ids, norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm)
         self.midlayer = Eagle3DecoderLayer(cfg)
 
     @classmethod
     def build(cls, cfg: DraftConfig, aux_layer_ids: tuple[int, ...], **switches: bool) -> Eagle3DraftModel:
         """A new EAGLE-3 drafter for ``cfg``'s draft layer with the EAGLE 3.1 ``switches`` on."""
         return cls(Eagle3Config.of(cfg, **switches), aux_layer_ids)
-
-    def project(self, features: torch.Tensor) -> torch.Tensor:
-        """``fc`` on the target features, normed first as vLLM's ``combine_hidden_states``
-        norms them: all together (``norm_before_fc``), then each layer's own (``fc_norm``)."""
-        if self.input_norm is not None:
-            features = self.input_norm(features)
-        if self.fc_norm is not None:
-            parts = features.chunk(len(self.fc_norm), dim=-1)
-            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)], -1)
-        return self.fc(features)
 
     def step(self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps):
         """One draft step; ``norm_output`` feeds back the final norm's output instead of its input."""

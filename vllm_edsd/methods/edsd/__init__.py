@@ -3,6 +3,7 @@ one Llama decoder layer drafts (``model.py``); its layouts (``layouts.py``); its
 (``vllm_model.py``), served through vLLM's EAGLE-3 proposer; float16's range
 (``float16_range.py``, ``range_probe.py``)."""
 
+from vllm_edsd.methods.draft_config import refuse_both_fc_input_norms
 from vllm_edsd.methods.edsd.config import SWITCHES
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM, LAYOUTS
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
@@ -22,4 +23,5 @@ METHOD = Method(
     own_train_fields=("token_norm", *SWITCHES),
     converts=True,
     switches=SWITCHES,
+    refuse_switches=refuse_both_fc_input_norms,
 )

@@ -16,7 +16,15 @@ from typing import Any, ClassVar
 from vllm_edsd.checkpoint.schema import REQUIRED, Reading, entry, read_fields
 from vllm_edsd.checkpoint.target import LAYER_ID_CONVENTIONS, LAYER_INPUT, LAYER_OUTPUT, TargetFingerprint, text_config
 from vllm_edsd.errors import EDSDError, first_line, is_int
-from vllm_edsd.methods.draft_config import DraftConfig, choice, epsilon, flag, size
+from vllm_edsd.methods.draft_config import (
+    FC_INPUT_NORMS,
+    DraftConfig,
+    choice,
+    epsilon,
+    flag,
+    refuse_both_fc_input_norms,
+    size,
+)
 from vllm_edsd.methods.registry import EDSD
 
 # The norm EDFuse applies to the token embedding. SpecForge's EDSD (what the paper's drafters
@@ -26,7 +34,8 @@ LAYERNORM = "layernorm"
 TOKEN_NORMS = (RMSNORM, LAYERNORM)
 # A config written before the field existed had the LayerNorm.
 LEGACY_TOKEN_NORM = LAYERNORM
-SWITCHES = ("attention_reads_token", "feature_norm")  # the draft layer's changes beyond the paper
+# The draft layer's changes beyond the paper; fc's input norms are EAGLE 3.1's, under its names.
+SWITCHES = ("attention_reads_token", "feature_norm", *FC_INPUT_NORMS)
 # Why a token-reading drafter is never folded (edsd convert and the config check say it alike).
 FOLD_CONFLICT = ("this drafter's attention also reads the token through its own norm of the raw embedding "
                  "(edsd_config.attention_reads_token), which a folded table would change")
@@ -169,6 +178,12 @@ class EDSDConfig(DraftConfig):
                                         null_absent=False, check=flag)
     feature_norm: bool = entry("EDFuse's gate reads RMSNorm(g): the fed-back state stays bounded", default=False,
                                block=True, null_absent=False, check=flag)
+    # EAGLE 3.1's norms of fc's input (``FC_INPUT_NORMS``): the target's features reach fc unnormalised
+    # otherwise (the first token's massive activation among them). One of the two at most.
+    norm_before_fc: bool = entry("one RMSNorm (input_norm) over the two target layers' features together, "
+                                 "before fc", default=False, block=True, null_absent=False, check=flag)
+    fc_norm: bool = entry("one RMSNorm per target layer (fc_norm.{i}) before fc", default=False, block=True,
+                          null_absent=False, check=flag)
     metadata: dict = entry("provenance, written by the converter into the vLLM layout", default_factory=dict,
                            read=lambda reading: {k: v for k, v in reading.own_block().items() if k in PROVENANCE})
     speculators: Speculators | None = entry("the vLLM layout's speculators block, where the converter knew the "
@@ -184,6 +199,8 @@ class EDSDConfig(DraftConfig):
         converter's ``--layer-id-convention``); the result always holds vLLM ids.
         """
         cfg = super().from_dict(raw, source=source, layer_id_convention=layer_id_convention)
+        refuse_both_fc_input_norms({name: getattr(cfg, name) for name in FC_INPUT_NORMS}, source,
+                                   lambda name: f"edsd_config.{name}")
         if cfg.token_norm_folded and cfg.attention_reads_token:
             raise EDSDError(
                 f"{source}: edsd_config has both token_norm_folded and attention_reads_token; "

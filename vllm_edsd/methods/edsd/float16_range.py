@@ -10,6 +10,8 @@ Bfloat16 and float32 have float32's range and need none of this.
 
 What changes in float16 (the weights and every float32 or bfloat16 result stay as they are):
 
+* fc's input norms, where a switch asks for them (``norm_before_fc``, ``fc_norm``), run in
+  float32 on the float32 features;
 * every linear map whose input is the unnormalised stream (``fc``, EDFuse's gate and down
   projections) runs on its input divided by a per-row power of two, and the result is
   multiplied back in float32: exact in the scaling, so only float16's rounding of the inputs
@@ -26,10 +28,13 @@ What changes in float16 (the weights and every float32 or bfloat16 result stay a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from vllm_edsd.methods.blocks import norm_parts
 
 FLOAT16_MAX = torch.finfo(torch.float16).max
 # A scaled linear map's input rows peak in [2**7, 2**8): far from float16's top even after a
@@ -67,9 +72,18 @@ def load_state(stored: torch.Tensor) -> torch.Tensor:
     return torch.sinh(stored.float()) * STATE_SCALE
 
 
-def project(fc: Callable[[torch.Tensor], torch.Tensor], features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``fc`` on the target's features (first draft step), as ``store_state`` holds it."""
-    return store_state(scaled_linear(fc, features.float(), dtype), dtype)
+def project(
+    fc: Callable[[torch.Tensor], torch.Tensor],
+    features: torch.Tensor,
+    dtype: torch.dtype,
+    norms: Sequence[tuple[torch.Tensor, float]] = (),
+) -> torch.Tensor:
+    """``fc`` on the target's features (first draft step), as ``store_state`` holds it. ``norms``
+    are fc's input norms, (weight, eps) of RMSNorms each over its equal part of the features
+    (``blocks.norm_parts``), applied in float32 before the scaling: squared in float16, the first
+    token's massive activation would overflow."""
+    features = norm_parts(features.float(), [partial(rms_norm, weight=weight, eps=eps) for weight, eps in norms])
+    return store_state(scaled_linear(fc, features, dtype), dtype)
 
 
 def fuse(

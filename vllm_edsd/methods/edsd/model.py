@@ -120,7 +120,7 @@ class EDSDDraftModel(DraftHead):
     """The EDSD drafter. Parameter names are those of the training layout (docs/formats.md, "Training layout")."""
 
     def __init__(self, cfg: EDSDConfig) -> None:
-        super().__init__(cfg, cfg.aux_layer_ids)
+        super().__init__(cfg, cfg.aux_layer_ids, norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm)
         self.edfuse = EDFuse(cfg)
         self.midlayer = DraftDecoderLayer(cfg)
 
@@ -138,10 +138,12 @@ class EDSDDraftModel(DraftHead):
         return float16_range.needs_wide_stream(self.fc.weight.dtype)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """``fc`` on the concatenated target features, as ``step`` reads its fed-back state."""
+        """``fc`` on the concatenated target features, normed first where a switch asks
+        (``fc_input_norms``), as ``step`` reads its fed-back state."""
         if not self.wide_stream:
-            return self.fc(features)
-        return float16_range.project(self.fc, features, self.fc.weight.dtype)
+            return super().project(features)
+        norms = [(norm.weight, norm.eps) for norm in self.fc_input_norms()]
+        return float16_range.project(self.fc, features, self.fc.weight.dtype, norms)
 
     def step(
         self, g: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, kv: KeyValueSteps

@@ -4,7 +4,8 @@ It subclasses vLLM's ``Eagle3LlamaForCausalLM`` because the EAGLE proposer asser
 type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
 ``embed_input_ids``, and replaces the rest:
 
-* ``combine_hidden_states``: ``fc`` on the two aux hidden states (first draft step only);
+* ``combine_hidden_states``: ``fc`` on the two aux hidden states (first draft step only), normed
+  first where ``norm_before_fc`` or ``fc_norm`` asks, as vLLM's EAGLE-3 does;
 * ``forward``: EDFuse on (feature, token embedding), one stock Llama decoder layer, RMSNorm;
   it returns (normed states for the logits, pre-norm states fed back to the next step). In
   float16 the residual stream runs in float32 and the fed-back state is stored compressed
@@ -44,7 +45,7 @@ import vllm_edsd.methods.edsd.float16_range as float16_range
 from vllm_edsd.checkpoint.layouts import KV_SCALE, ROPE_CACHES, unexpected_hint
 from vllm_edsd.checkpoint.target import TargetFingerprint
 from vllm_edsd.errors import EDSDError
-from vllm_edsd.methods.blocks import draft_entropy
+from vllm_edsd.methods.blocks import draft_entropy, norm_parts
 from vllm_edsd.methods.edsd.config import LAYERNORM, EDSDConfig
 from vllm_edsd.methods.edsd.layouts import EDSD_VLLM
 from vllm_edsd.methods.edsd.model import expected_shapes
@@ -55,6 +56,8 @@ _CHECKPOINT_TO_PARAMS = WeightsMapper(
     orig_to_new_prefix={
         "midlayer.": "model.layers.0.",
         "fc.": "model.fc.",
+        "input_norm.": "model.input_norm.",
+        "fc_norm.": "model.fc_norm.",
         "edfuse.": "model.edfuse.",
         "norm.": "model.norm.",
         "embed_tokens.": "model.embed_tokens.",
@@ -179,8 +182,12 @@ class EDSDLlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             edsd.vocab_size, edsd.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
         )
+        width, eps = edsd.target_hidden_size, edsd.rms_norm_eps
+        # fc's input norms (EDSDConfig.norm_before_fc / fc_norm), named as vLLM's EAGLE-3 names them
+        self.input_norm = RMSNorm(2 * width, eps=eps) if edsd.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(width, eps=eps) for _ in range(2)) if edsd.fc_norm else None
         self.fc = ReplicatedLinear(
-            2 * edsd.target_hidden_size,
+            2 * width,
             edsd.hidden_size,
             bias=False,
             params_dtype=vllm_config.model_config.dtype,
@@ -201,6 +208,20 @@ class EDSDLlamaModel(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    def fc_input_norms(self) -> list[RMSNorm]:
+        """``fc``'s input norms, each over its equal part of the features (``blocks.norm_parts``):
+        ``input_norm`` over both target layers, or ``fc_norm``'s one per layer; none by default."""
+        return [self.input_norm] if self.input_norm is not None else list(self.fc_norm or ())
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` on the target's features, normed first where a switch asks; in float16 the
+        norms run in float32 before the features are scaled (``float16_range.project``)."""
+        norms = self.fc_input_norms()
+        if not self.wide_stream:
+            return self.fc(norm_parts(features, norms))
+        return float16_range.project(self.fc, features, self.dtype,
+                                     [(norm.weight, norm.variance_epsilon) for norm in norms])
 
     def forward(
         self,
@@ -306,9 +327,7 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
         return logits
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not self.model.wide_stream:
-            return self.model.fc(hidden_states)
-        return float16_range.project(self.model.fc, hidden_states, self.model.dtype)
+        return self.model.project(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
