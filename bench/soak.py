@@ -222,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
     if args.offline:
         from .soak_offline import offline_soak
 
-        results["offline"] = offline_soak(args)
+        target, drafter = target_and_drafter(args.target, EDSD, args.edsd)
+        results["offline"] = offline_soak(target, speculative_config(drafter, args.k), args)
     results["broken_rules"] = broken_rules(results) + (results.get("offline") or {}).get("broken_rules", [])
     write(out, results)
     print("\n".join(results["broken_rules"]) or "the server held: no rule broke")

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 
 from vllm_edsd.launch.engine import llm_session
-from vllm_edsd.methods.registry import EDSD
 
-from .arguments import target_and_drafter
 from .offline import load_prompts
 from .soak_watch import KV_USAGE, RUNNING, WAITING
 
@@ -52,15 +50,12 @@ def step_with_aborts(engine, prompts: list[str], params, victim_params) -> tuple
     return kept, finished_victims
 
 
-def offline_soak(args: argparse.Namespace) -> dict:
-    """The offline variant's findings, with the rules it broke."""
+def offline_soak(target: str, spec: dict, args: argparse.Namespace) -> dict:
+    """The offline variant's findings on ``target`` served with ``spec``, with the rules it broke."""
     from vllm import SamplingParams
 
-    from .soak import speculative_config
-
-    target, drafter = target_and_drafter(args.target, EDSD, args.edsd)
     kwargs = {"enforce_eager": args.eager, **({"dtype": args.dtype} if args.dtype else {})}
-    with llm_session(target, speculative_config(drafter, args.k), **kwargs) as llm:
+    with llm_session(target, spec, **kwargs) as llm:
         tokenizer = llm.get_tokenizer()
         prompts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                    for p in load_prompts("chat", args.prompts)]
