@@ -156,6 +156,8 @@ class ChatUser(HttpUser):
                               if stream else read_whole(r))
                 except Exception as exc:  # a broken stream is a failed request, not a crashed user
                     result = {"chunks": [], "output_tokens": 0, "error": type(exc).__name__}
+            if result.get("abandoned"):
+                r.close()  # the socket, unread: the server sees its client gone
             result["status"] = r.status_code
             if result["error"]:
                 r.failure(result["error"])
