@@ -19,9 +19,9 @@ Writes DIR/results.json, DIR/report.md and DIR/memory.png:
 
 * requests per outcome, every fault (a 5xx, a bad request answered otherwise than with a 4xx
   naming its field, a good request that failed) and each bad request's outcomes;
-* the greedy replies under load against the same prompts sent one at a time to the same server
-  afterwards: the share equal, and which differ (a near-tie broken otherwise in a larger batch
-  can part a float16/bfloat16 reply; float32 keeps them equal);
+* the greedy replies under load against the same requests (prompt and cap) sent one at a time to
+  the same server afterwards: the share equal, and which differ (a near-tie broken otherwise in
+  a larger batch can part a float16/bfloat16 reply; float32 keeps them equal);
 * the resident memory of every server process over time (the plot), sampled with psutil;
 * lines of the server's log with "Traceback" or "Exception ignored" while it served;
 * ``/metrics`` after the load: running and waiting requests and the KV cache use must be 0
@@ -55,7 +55,7 @@ from .arguments import numbers, target_and_drafter
 from .latency import DRAIN_S, run_plan
 from .machine import machine
 from .offline import NGRAM_LENGTHS, load_prompts
-from .soak_load import FAULTS, chat_body, compare_greedy, judge, round_requests
+from .soak_load import FAULTS, compare_greedy, judge, round_requests
 from .soak_watch import (
     MemoryWatch,
     log_problems,
@@ -130,11 +130,13 @@ def served_max_model_len(base: str) -> int:
     return requests.get(f"{base}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
 
 
-def replies_alone(base: str, prompts: list[list[dict]], max_tokens: int) -> list[list[int]]:
-    """Each prompt's greedy reply (token ids), sent one at a time."""
+def replies_alone(base: str, requests: list[dict]) -> list[list[int]]:
+    """Each greedy request of the round (its cap, its prompt) sent one at a time and whole: its
+    reply's token ids, by prompt index."""
     url = f"{base}/v1/chat/completions"
-    return [post_json(url, chat_body(p, max_tokens, stream=False, temperature=0), DRAIN_S)["choices"][0]["token_ids"]
-            for p in prompts]
+    greedy = sorted((r for r in requests if "greedy" in r), key=lambda r: r["greedy"])
+    bodies = [{key: value for key, value in r["body"].items() if key != "stream_options"} for r in greedy]
+    return [post_json(url, {**body, "stream": False}, DRAIN_S)["choices"][0]["token_ids"] for body in bodies]
 
 
 def soak_level(base: str, requests: list[dict], users: int, seconds: float, workdir: Path, name: str) -> list[dict]:
@@ -159,7 +161,7 @@ def soak(server: Server, prompts: list[list[dict]], args: argparse.Namespace, ou
             print(f"concurrency {users}: {len(level)} requests, {levels[users]['outcomes']}", flush=True)
             records += level
     return {"levels": levels, "overall": judge(records, requests), "round": [r["what"] for r in requests],
-            "greedy": compare_greedy(records, requests, replies_alone(server.base, prompts, args.max_tokens)),
+            "greedy": compare_greedy(records, requests, replies_alone(server.base, requests)),
             "state_after_load": request_state(server.base), "serving_log_problems": server.serving_problems(),
             "memory_samples": watch.samples if watch else []}
 
