@@ -125,6 +125,7 @@ def stop(server: Server, limit_s: float) -> None:
 
 
 def served_max_model_len(base: str) -> int:
+    """The server's context (``/v1/models``): the bad prompt is made longer than it."""
     import requests
 
     return requests.get(f"{base}/v1/models", timeout=30).json()["data"][0]["max_model_len"]

@@ -17,6 +17,7 @@ def _outcomes(results: dict) -> list[str]:
 
 
 def _bad_requests(results: dict) -> list[str]:
+    """Each kind of bad request's outcomes."""
     bad = results["overall"]["bad_requests"]
     rows = [[what, ", ".join(f"{name}: {count}" for name, count in counts.items())] for what, counts in bad.items()]
     return ["## Bad requests", "", "Each must get a 4xx whose error names the field.", "",
@@ -24,6 +25,7 @@ def _bad_requests(results: dict) -> list[str]:
 
 
 def _faults(results: dict) -> list[str]:
+    """Every fault, as sent and answered (the first 50)."""
     overall = results["overall"]
     if not overall["fault_count"]:
         return ["## Faults", "", "None: no 5xx, every bad request refused naming its field, no good request failed."]
@@ -33,6 +35,7 @@ def _faults(results: dict) -> list[str]:
 
 
 def _greedy(results: dict) -> list[str]:
+    """Greedy replies under load against the same requests sent alone."""
     greedy = results["greedy"]
     lines = ["## Greedy replies under load", "",
              f"{greedy['equal']} of {greedy['compared']} equal to the same prompt's reply sent alone to the same "
@@ -66,6 +69,7 @@ def _server(results: dict) -> list[str]:
 
 
 def _offline(results: dict) -> list[str]:
+    """The offline variant's findings, where it ran."""
     offline = results.get("offline")
     if not offline:
         return []
@@ -73,6 +77,7 @@ def _offline(results: dict) -> list[str]:
 
 
 def render(results: dict) -> str:
+    """The whole report: verdict first, then each section."""
     broken = results["broken_rules"]
     lines = ["# Soak", "", f"Command: `{results['command']}`  ",
              f"Machine: {describe(results['machine'])}; server: {results['server']}; K={results['k']}, "

@@ -85,6 +85,7 @@ class MemoryWatch:
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def _run(self) -> None:
+        """Sample until stopped."""
         start = time.time()
         while not self._stop.is_set():
             self.samples.append([round(time.time() - start, 1), rss_mib(process_tree(self.pid))])
@@ -99,6 +100,7 @@ class MemoryWatch:
 
     @contextmanager
     def running(self) -> Iterator[MemoryWatch]:
+        """Sample while the block runs."""
         thread = threading.Thread(target=self._run, daemon=True)
         thread.start()
         try:
@@ -162,6 +164,7 @@ def log_problems(text: str) -> list[str]:
 
 
 def log_size(path: Path | None) -> int:
+    """Where a log ends now (0 without one): the start of what it writes next."""
     return path.stat().st_size if path and path.exists() else 0
 
 

@@ -60,12 +60,14 @@ def edsd_server(trained, tmp_path_factory):
 
 
 def spec_counters(base: str) -> SpecCounters:
+    """The server's spec-decode counters so far (``/metrics``)."""
     import requests
 
     return parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
 
 
 def server_rss(server) -> dict[str, float]:
+    """Resident memory (MiB) of each of the server's processes now."""
     return rss_mib(process_tree(server.pid))
 
 
@@ -152,6 +154,7 @@ def test_streams_aborted_mid_way_free_their_requests(edsd_server, chats, without
 
 
 def ran_to_length_count(base: str, series: str) -> float:
+    """Requests the engine finished at their length so far (vLLM counts no aborted one)."""
     import requests
 
     return metric_values(requests.get(f"{base}/metrics", timeout=10).text, (series,))[series]
