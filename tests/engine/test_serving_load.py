@@ -17,8 +17,7 @@ from bench.latency import DRAIN_S, aggregate, poisson_schedule, run_locust, run_
 from bench.soak import serving, shutdown_limit_s, speculative_config, stop
 from bench.soak_load import ABANDONED, FAULTS, REFUSED, compare_greedy, judge, round_requests
 from bench.soak_watch import metric_values, process_tree, request_state, rss_mib
-from vllm_edsd.launch.engine import SpecCounters, parse_prometheus_counters
-from vllm_edsd.launch.server import running_server
+from vllm_edsd.launch.server import running_server, served_spec_counters
 
 MAX_TOKENS = 64
 K = 4
@@ -59,13 +58,6 @@ def edsd_server(trained, tmp_path_factory):
         yield server
 
 
-def spec_counters(base: str) -> SpecCounters:
-    """The server's spec-decode counters so far (``/metrics``)."""
-    import requests
-
-    return parse_prometheus_counters(requests.get(f"{base}/metrics", timeout=10).text)
-
-
 def server_rss(server) -> dict[str, float]:
     """Resident memory (MiB) of each of the server's processes now."""
     return rss_mib(process_tree(server.pid))
@@ -103,7 +95,7 @@ def test_soak_at_and_above_saturation(edsd_server, chats, without_speculation, t
     good request failed, every greedy reply the one without speculation (caps 0, 1, K, streamed
     or not), and the server's memory stays bounded."""
     base = edsd_server.base
-    before = spec_counters(base)
+    before = served_spec_counters(base)
     qps = saturation_qps(base, chats, without_speculation, tmp_path)
     requests = round_requests(chats, MAX_TOKENS, K, MAX_MODEL_LEN)
     report = {"saturation_qps": round(qps, 2), "rss_mib": {"warm": server_rss(edsd_server)}}
@@ -118,7 +110,7 @@ def test_soak_at_and_above_saturation(edsd_server, chats, without_speculation, t
         assert all(counts == {REFUSED: counts.get(REFUSED)} for counts in verdicts["bad_requests"].values()), verdicts
         assert greedy["compared"] and greedy["equal"] == greedy["compared"], greedy
     print("soak:", json.dumps(report))
-    counters = spec_counters(base) - before
+    counters = served_spec_counters(base) - before
     assert counters.drafts > 0 and counters.accepted > 0.05 * counters.drafts, f"the EDSD server's counters: {counters}"
     # The worker's memory grows during its first minute under load (oneDNN and allocator caches
     # for the batch shapes it meets: +421 and +463 MiB in two CI runs) and then levels off (+142
