@@ -33,8 +33,8 @@ Writes DIR/results.json, DIR/report.md and DIR/memory.png:
 middle of a ``step()`` loop, the others' greedy outputs checked and the KV blocks freed.
 
 Exit status 1 when a rule broke: a 5xx, a bad request not refused with its field named, a good
-request failed, a greedy reply that differs, a log problem while serving, state left after the
-load, or a process left after SIGTERM.
+request failed, under 90 % of the greedy replies equal, a log problem while serving, state left
+after the load, or a process left after SIGTERM.
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ from .soak_watch import (
 
 ENGINE_GRACE_S = 5  # vLLM's process manager waits this long for its engine processes after SIGTERM
 BUSY_CPU_SLACK_S = 25  # on top, for interpreters ending on a loaded 2-core machine
+# The share of greedy replies under load that must equal the same request's alone: a 16-bit run
+# may part at a near-tie now and then (float32 keeps all equal; the report lists each one).
+GREEDY_EQUAL_FLOOR = 0.9
 
 
 def speculative_config(drafter: str, k: int) -> dict:
@@ -172,8 +175,9 @@ def broken_rules(results: dict) -> list[str]:
     broken = []
     overall, greedy = results["overall"], results["greedy"]
     broken += [f"{count} request(s): {name}" for name, count in overall["outcomes"].items() if name in FAULTS]
-    if greedy["equal"] < greedy["compared"]:
-        broken.append(f"{greedy['compared'] - greedy['equal']} of {greedy['compared']} greedy replies differ")
+    if greedy["compared"] and greedy["equal"] < GREEDY_EQUAL_FLOOR * greedy["compared"]:
+        broken.append(f"{greedy['compared'] - greedy['equal']} of {greedy['compared']} greedy replies differ "
+                      f"(more than {1 - GREEDY_EQUAL_FLOOR:.0%})")
     if results["serving_log_problems"]:
         broken.append(f"{len(results['serving_log_problems'])} exception line(s) in the log while serving")
     if not results["state_after_load"]["empty"]:
