@@ -206,6 +206,27 @@ def cold_starts_options(parser: argparse.ArgumentParser) -> None:
     add("--timeout", type=float, default=900, help="seconds one start may take (default 900)")
 
 
+def soak_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--out", required=True, help="where results.json, report.md and memory.png go")
+    add("--target", help="the target's directory (default: the embedded demo target)")
+    add(f"--{EDSD}", help=f"{EDSD} drafter directory, vLLM's layout (default: the demo's)")
+    add("--url", help="soak your own running server instead (served as 'bench': --served-model-name bench)")
+    add("--pid", type=int, help="with --url: its API server's pid, to watch its processes' memory")
+    add("--duration", type=float, default=180, help="seconds of load, shared by the levels (default 180)")
+    add("--concurrency", default="1,8,32", help="locust users per level, 1 to 32, comma-separated (default 1,8,32)")
+    add("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    add("--max-tokens", type=int, default=64, help="tokens per reply (default 64)")
+    add("--prompts", type=int, default=8, help="the bench's chat prompts in a round (default 8)")
+    add("--shutdown-timeout", type=int, default=0,
+        help="vllm serve's --shutdown-timeout for the server started here: seconds in-flight requests may "
+             "drain after SIGTERM (default 0, vLLM's: abort them)")
+    add("--dtype", choices=DTYPES, default=None, help=f"the server's dtype ({COMPUTED_DTYPE})")
+    add("--eager", action="store_true", help=EAGER_HELP)
+    add("--offline", action="store_true",
+        help="also abort requests in the middle of vllm.LLM's step() loop (bench/soak_offline.py)")
+
+
 def index_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", default="bench/results",
                         help="the results folder to index; its README.md is written (default bench/results)")
@@ -230,6 +251,7 @@ SUITES: dict[str, Suite] = {
                             vocab_coverage_options),
     "copying": Suite("drafter accuracy where the text repeats", "copying", copying_options),
     "cold-starts": Suite("engine starts from a cold compile cache", "cold_starts", cold_starts_options),
+    "soak": Suite("a server under mixed load and faults, then SIGTERM", "soak", soak_options),
     "index": Suite("write bench/results/README.md, the results index", "index", index_options),
 }
 

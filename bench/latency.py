@@ -106,13 +106,20 @@ def run_locust(base: str, messages: list[list[dict]], arrivals: list[float], max
     raw record of every request that ended (see the locustfile), in no particular order.
     ``drain_s``: how long the run may go on after the last arrival (an overloaded server has a
     backlog to serve then)."""
-    plan = {"arrivals_s": arrivals, "messages": messages, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
-            "start_lead_s": START_LEAD_S, "request_timeout_s": DRAIN_S}
+    plan = {"arrivals_s": arrivals, "messages": messages, "max_tokens": max_tokens, "ignore_eos": ignore_eos}
+    users = min(len(arrivals), max_users)
+    return run_plan(base, plan, users, arrivals[-1] + drain_s, workdir, name)
+
+
+def run_plan(base: str, plan: dict, users: int, last_s: float, workdir: Path, name: str) -> list[dict]:
+    """Run one locustfile plan (see its docstring) with ``users`` users in a locust process of
+    its own, killed ``last_s`` seconds after the first arrival at the latest; the raw record of
+    every request that ended, in no particular order."""
+    plan = {"start_lead_s": START_LEAD_S, "request_timeout_s": DRAIN_S, **plan}
     plan_file, records_file, log_file = (workdir / f"{name}.{ext}" for ext in ("plan.json", "jsonl", "locust.log"))
     plan_file.write_text(json.dumps(plan))
     records_file.unlink(missing_ok=True)
-    users = min(len(arrivals), max_users)
-    run_time = math.ceil(START_LEAD_S + 1 + arrivals[-1] + drain_s)  # hard limit; normally the last request ends it
+    run_time = math.ceil(START_LEAD_S + 1 + last_s)  # hard limit; normally the last request ends it
     env = {**os.environ, "EDSD_BENCH_PLAN": str(plan_file), "EDSD_BENCH_RECORDS": str(records_file)}
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", base,
            "-u", str(users), "-r", str(users), "--run-time", f"{run_time}s", "--only-summary",

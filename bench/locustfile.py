@@ -1,4 +1,4 @@
-"""Locust user for the latency suite: one streaming chat request per scheduled arrival.
+"""Locust user for the latency and soak suites: one chat request per scheduled arrival.
 
 ``bench/latency.py`` writes the plan (arrival times, conversations, max_tokens, ignore_eos, timeouts) to the
 JSON file named by ``EDSD_BENCH_PLAN``. Each user takes the next unclaimed arrival, sleeps until
@@ -6,11 +6,17 @@ it and sends the request, so arrivals are open loop: a slow server does not lowe
 load, it only keeps more users busy. Every request's raw timings go as one JSON line to the file
 named by ``EDSD_BENCH_RECORDS``; the request that completes the plan stops locust.
 
+A soak plan (``bench/soak.py``) also names each request whole (``requests``: body, raw text or
+a stream to walk away from, taken in turn), and may have no arrivals but ``stop_after_s``:
+closed loop, every user sending its next request as soon as its last one ended, until that
+many seconds have passed; the last request in flight then stops locust.
+
 Chunks are read as they arrive (``chunk_size=None``) and timestamped on arrival; a chunk counts
 when it carries output tokens (``return_token_ids``), so a token that detokenises to no text
 still counts. Output tokens come from the final ``usage`` chunk.
 """
 
+import itertools
 import json
 import os
 import time
@@ -22,8 +28,10 @@ from locust.exception import StopUser
 
 PLAN = json.loads(Path(os.environ["EDSD_BENCH_PLAN"]).read_text())
 RECORDS = open(os.environ["EDSD_BENCH_RECORDS"], "a", buffering=1)  # one flushed line per request
-NEXT = iter(range(len(PLAN["arrivals_s"])))  # shared by all users; greenlets switch only on I/O
-state = {"t0": 0.0, "done": 0}
+ARRIVALS = PLAN.get("arrivals_s")
+# shared by all users; greenlets switch only on I/O
+NEXT = iter(range(len(ARRIVALS))) if ARRIVALS is not None else itertools.count()
+state = {"t0": 0.0, "done": 0, "in_flight": 0, "stopped": False, "quitting": False, "runner": None}
 
 
 @events.test_start.add_listener
@@ -41,9 +49,10 @@ def chunk_tokens(event: dict) -> int:
     return len(chunk_token_ids(event)) or sum(bool(c["delta"].get("content")) for c in event.get("choices", ()))
 
 
-def read_stream(lines, start: float) -> dict:
+def read_stream(lines, start: float, walk_away_after: int | None = None) -> dict:
     """Token-bearing chunks as [seconds since ``start``, tokens], output tokens, the output's
-    token ids (what a soak compares) and error (None if ok)."""
+    token ids (what a soak compares) and error (None if ok). ``walk_away_after``: stop reading
+    after that many token-bearing chunks, as a client that loses interest (``abandoned``)."""
     chunks, usage_tokens, token_ids = [], None, []
     for line in lines:
         arrived = time.perf_counter() - start
@@ -55,13 +64,55 @@ def read_stream(lines, start: float) -> dict:
         event = json.loads(line[6:])
         if "error" in event:
             return {"chunks": chunks, "output_tokens": 0, "token_ids": token_ids,
-                    "error": f"stream error: {event['error'].get('type')}"}
+                    "error": f"stream error: {event['error'].get('type')}", "error_body": event["error"]}
         if event.get("usage"):
             usage_tokens = event["usage"]["completion_tokens"]
         token_ids += chunk_token_ids(event)
         if n := chunk_tokens(event):
             chunks.append([arrived, n])
+        if walk_away_after is not None and len(chunks) >= walk_away_after:
+            return {"chunks": chunks, "output_tokens": len(token_ids), "token_ids": token_ids, "error": None,
+                    "abandoned": True}
     return {"chunks": chunks, "output_tokens": 0, "token_ids": token_ids, "error": "truncated stream (no [DONE])"}
+
+
+def read_whole(reply) -> dict:
+    """A non-streaming reply's output tokens and their ids (``return_token_ids``)."""
+    choice = reply.json()["choices"][0]
+    token_ids = choice.get("token_ids") or []
+    return {"chunks": [], "output_tokens": len(token_ids), "token_ids": token_ids, "error": None}
+
+
+def latency_request(i: int) -> dict:
+    """The latency suite's request: the plan's conversation ``i``, greedy, streamed."""
+    return {"body": {"model": "bench", "messages": PLAN["messages"][i], "max_tokens": PLAN["max_tokens"],
+                     "temperature": 0, "ignore_eos": PLAN["ignore_eos"], "stream": True,
+                     "stream_options": {"include_usage": True}, "return_token_ids": True}}
+
+
+def refused(r) -> dict:
+    """A request the server did not answer with 200: its status and the error it sent."""
+    error = f"HTTP {r.status_code}" if r.status_code else type(r.error).__name__
+    try:
+        body = r.json().get("error", {})
+    except ValueError:
+        body = {"message": r.text[:500]}
+    return {"chunks": [], "output_tokens": 0, "error": error, "error_body": body}
+
+
+def should_stop() -> bool:
+    """Whether a closed-loop plan's time is up (an open-loop plan ends with its arrivals)."""
+    return ARRIVALS is None and time.perf_counter() - state["t0"] > PLAN["stop_after_s"]
+
+
+def finish_if_done() -> None:
+    """Stop locust once the plan is through and nothing is in flight, from a greenlet of its own:
+    quitting kills every user's greenlet, and killed from this one it would stop half-way,
+    leaving locust to run until --run-time."""
+    through = state["stopped"] or (ARRIVALS is not None and state["done"] == len(ARRIVALS))
+    if through and state["in_flight"] == 0 and not state["quitting"]:
+        state["quitting"] = True
+        gevent.spawn(state["runner"].quit)
 
 
 class ChatUser(HttpUser):
@@ -69,37 +120,45 @@ class ChatUser(HttpUser):
 
     @task
     def chat(self) -> None:
+        state["runner"] = self.environment.runner
         i = next(NEXT, None)
-        if i is None:
+        if i is None or should_stop():
+            state["stopped"] = True
+            finish_if_done()
             raise StopUser()
-        scheduled = state["t0"] + PLAN["arrivals_s"][i]
+        scheduled = state["t0"] + (ARRIVALS[i] if ARRIVALS is not None else 0.0)
         gevent.sleep(max(0.0, scheduled - time.perf_counter()))
+        state["in_flight"] += 1
         start = time.perf_counter()
-        result = self.send(PLAN["messages"][i], start)
-        record = {"id": i, "scheduled_s": scheduled - state["t0"], "start_s": start - state["t0"],
-                  "e2e_s": time.perf_counter() - start, **result}
+        plan_index = i % len(PLAN["requests"]) if "requests" in PLAN else i
+        result = self.send(PLAN["requests"][plan_index] if "requests" in PLAN else latency_request(i), start)
+        record = {"id": i, "request": plan_index, "scheduled_s": scheduled - state["t0"],
+                  "start_s": start - state["t0"], "e2e_s": time.perf_counter() - start, **result}
         RECORDS.write(json.dumps(record) + "\n")
         state["done"] += 1
-        if state["done"] == len(PLAN["arrivals_s"]):
-            # From a greenlet of its own: quitting kills every user's greenlet, and killed from
-            # this one it would stop half-way, leaving locust to run until --run-time.
-            gevent.spawn(self.environment.runner.quit)
+        state["in_flight"] -= 1
+        finish_if_done()
 
-    def send(self, messages: list[dict], start: float) -> dict:
-        """One streaming request; failures (HTTP status, exceptions, truncation) become the error."""
-        body = {"model": "bench", "messages": messages, "max_tokens": PLAN["max_tokens"], "temperature": 0,
-                "ignore_eos": PLAN["ignore_eos"], "stream": True, "stream_options": {"include_usage": True},
-                "return_token_ids": True}
-        with self.client.post("/v1/chat/completions", json=body, stream=True, name="chat", catch_response=True,
-                              timeout=(10, PLAN["request_timeout_s"])) as r:
+    def send(self, request: dict, start: float) -> dict:
+        """One request (streamed when its body says so); failures (HTTP status, exceptions,
+        truncation) become the error, with the server's error body when it sent one."""
+        raw = request.get("raw")
+        body = request.get("body") or {}
+        stream = bool(body.get("stream"))
+        with self.client.post("/v1/chat/completions", data=raw, json=None if raw else body, stream=stream,
+                              name="chat", catch_response=True, timeout=(10, PLAN["request_timeout_s"]),
+                              headers={"Content-Type": "application/json"}) as r:
             if r.status_code != 200:
-                error = f"HTTP {r.status_code}" if r.status_code else type(r.error).__name__
-                result = {"chunks": [], "output_tokens": 0, "error": error}
+                result = refused(r)
             else:
                 try:
-                    result = read_stream(r.iter_lines(chunk_size=None), start)
+                    result = (read_stream(r.iter_lines(chunk_size=None), start, request.get("walk_away_after"))
+                              if stream else read_whole(r))
                 except Exception as exc:  # a broken stream is a failed request, not a crashed user
                     result = {"chunks": [], "output_tokens": 0, "error": type(exc).__name__}
+            if result.get("abandoned"):
+                r.close()  # the socket, unread: the server sees its client gone
+            result["status"] = r.status_code
             if result["error"]:
                 r.failure(result["error"])
             else:
