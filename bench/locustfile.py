@@ -109,7 +109,7 @@ def finish_if_done() -> None:
     """Stop locust once the plan is through and nothing is in flight, from a greenlet of its own:
     quitting kills every user's greenlet, and killed from this one it would stop half-way,
     leaving locust to run until --run-time."""
-    through = state["stopped"] or (ARRIVALS is not None and state["done"] == len(ARRIVALS))
+    through = state["done"] == len(ARRIVALS) if ARRIVALS is not None else state["stopped"]
     if through and state["in_flight"] == 0 and not state["quitting"]:
         state["quitting"] = True
         gevent.spawn(state["runner"].quit)
@@ -127,8 +127,8 @@ class ChatUser(HttpUser):
             finish_if_done()
             raise StopUser()
         scheduled = state["t0"] + (ARRIVALS[i] if ARRIVALS is not None else 0.0)
+        state["in_flight"] += 1  # from the claim on: a user sleeping until its arrival is not through
         gevent.sleep(max(0.0, scheduled - time.perf_counter()))
-        state["in_flight"] += 1
         start = time.perf_counter()
         plan_index = i % len(PLAN["requests"]) if "requests" in PLAN else i
         result = self.send(PLAN["requests"][plan_index] if "requests" in PLAN else latency_request(i), start)
