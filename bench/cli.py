@@ -221,7 +221,12 @@ def soak_options(parser: argparse.ArgumentParser) -> None:
     add("--shutdown-timeout", type=int, default=0,
         help="vllm serve's --shutdown-timeout for the server started here: seconds in-flight requests may "
              "drain after SIGTERM (default 0, vLLM's: abort them)")
-    add("--dtype", choices=DTYPES, default=None, help=f"the server's dtype ({COMPUTED_DTYPE})")
+    add("--dtype", choices=DTYPES, default=None, help=f"the server's dtype ({COMPUTED_DTYPE}); greedy replies "
+        "compare exactly in float32 (in 16 bits vLLM rounds a one-token step alone otherwise than in a batch)")
+    add("--tensor-parallel-size", type=int, default=1, help="the started server's tensor parallelism (default 1)")
+    add("--data-parallel-size", type=int, default=1, help="the started server's engine replicas (default 1); "
+        "with more than one rank, each gets an equal share of this process's cores unless "
+        "VLLM_CPU_OMP_THREADS_BIND says otherwise")
     add("--eager", action="store_true", help=EAGER_HELP)
     add("--offline", action="store_true",
         help="also abort requests in the middle of vllm.LLM's step() loop (bench/soak_offline.py)")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -195,22 +196,42 @@ def check(args: argparse.Namespace) -> None:
         raise EDSDError(f"--concurrency takes levels from 1 to 32; got {max(args.concurrency)}")
     for flag, value, least in (("--duration", args.duration, 1), ("--k", args.k, 1),
                                ("--max-tokens", args.max_tokens, 1), ("--prompts", args.prompts, 1),
-                               ("--shutdown-timeout", args.shutdown_timeout, 0)):
+                               ("--shutdown-timeout", args.shutdown_timeout, 0),
+                               ("--tensor-parallel-size", args.tensor_parallel_size, 1),
+                               ("--data-parallel-size", args.data_parallel_size, 1)):
         if value < least:
             raise EDSDError(f"{flag} must be at least {least}; got {value}")
 
 
+def rank_binding(ranks: int) -> dict[str, str]:
+    """vLLM's CPU binding for ``ranks`` engine workers (tensor x data parallel): the cores this
+    process may use, split into that many groups (``"0|1"`` on two cores); the user's own
+    ``VLLM_CPU_OMP_THREADS_BIND`` wins. One rank keeps vLLM's automatic binding."""
+    if ranks == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if ranks > len(cpus):
+        raise EDSDError(f"{ranks} ranks (--tensor-parallel-size x --data-parallel-size) need as many cores; "
+                        f"this process may use {len(cpus)}")
+    share = len(cpus) // ranks
+    groups = [cpus[i * share:(i + 1) * share] for i in range(ranks)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, group)) for group in groups)}
+
+
 @contextmanager
 def server_for(args: argparse.Namespace, out: Path) -> Iterator[Server]:
-    """The user's server (``--url``) or one started here."""
+    """The user's server (``--url``) or one started here, with its parallelism."""
     if args.url:
         yield Server(args.url.rstrip("/"), args.pid)
         return
     target, drafter = target_and_drafter(args.target, EDSD, args.edsd)
-    extra = ["--served-model-name", "bench", "--dtype", args.dtype or default_dtype()]
+    extra = ["--served-model-name", "bench", "--dtype", args.dtype or default_dtype(),
+             "--tensor-parallel-size", str(args.tensor_parallel_size),
+             "--data-parallel-size", str(args.data_parallel_size)]
     extra += ["--enforce-eager"] if args.eager else []
     spec = speculative_config(drafter, args.k)
-    with serving(target, spec, extra, out / "server.log", args.shutdown_timeout) as server:
+    env = rank_binding(args.tensor_parallel_size * args.data_parallel_size)
+    with serving(target, spec, extra, out / "server.log", args.shutdown_timeout, env) as server:
         yield server
 
 
@@ -222,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts("chat", args.prompts)
     results = {"command": args.command, "machine": machine(), "duration_s": args.duration,
                "concurrency": args.concurrency, "k": args.k, "max_tokens": args.max_tokens,
-               "server": args.url or "started by the suite", "shutdown_timeout": args.shutdown_timeout}
+               "server": args.url or "started by the suite", "shutdown_timeout": args.shutdown_timeout,
+               "dtype": None if args.url else args.dtype or default_dtype(),
+               "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size}
     with server_for(args, out) as server:
         results.update(soak(server, prompts, args, out))
     results["shutdown"] = server.shutdown

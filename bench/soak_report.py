@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .machine import describe
 from .report import _fmt, _table
 
@@ -40,8 +42,14 @@ def _greedy(results: dict) -> list[str]:
     lines = ["## Greedy replies under load", "",
              f"{greedy['equal']} of {greedy['compared']} equal to the same prompt's reply sent alone to the same "
              f"server ({_fmt(greedy['equal_share'], '.1%')})."]
-    return lines + [f"- prompt {d['prompt']}, request {d['request']}: parts at token {d['first_difference_at']}"
-                    for d in greedy["differ"]]
+    parted = Counter((d["prompt"], d["first_difference_at"]) for d in greedy["differ"])
+    lines += [f"- prompt {prompt}: {count} repl{'y parts' if count == 1 else 'ies part'} at token {token}"
+              for (prompt, token), count in sorted(parted.items())]
+    if parted and results.get("dtype") in ("bfloat16", "float16"):
+        lines += ["", f"In {results['dtype']}, vLLM's own greedy reply can depend on the batch: a step of one token "
+                  "alone is rounded otherwise than the same token in a larger batch, and a near-tie parts "
+                  "(`python scripts/batch_variance.py` shows it without speculation). float32 compares exactly."]
+    return lines
 
 
 def _server(results: dict) -> list[str]:
@@ -76,12 +84,20 @@ def _offline(results: dict) -> list[str]:
     return ["## Offline: requests aborted mid-generation", "", *offline["summary"]]
 
 
+def _serving(results: dict) -> str:
+    """The started server's dtype and parallelism, where the results say them."""
+    parts = [results["dtype"]] if results.get("dtype") else []
+    parts += [f"{name} {results[key]}" for name, key in (("TP", "tensor_parallel_size"), ("DP", "data_parallel_size"))
+              if results.get(key, 1) > 1]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def render(results: dict) -> str:
     """The whole report: verdict first, then each section."""
     broken = results["broken_rules"]
     lines = ["# Soak", "", f"Command: `{results['command']}`  ",
-             f"Machine: {describe(results['machine'])}; server: {results['server']}; K={results['k']}, "
-             f"{results['max_tokens']} tokens per reply, concurrency {results['concurrency']}, "
+             f"Machine: {describe(results['machine'])}; server: {results['server']}{_serving(results)}; "
+             f"K={results['k']}, {results['max_tokens']} tokens per reply, concurrency {results['concurrency']}, "
              f"{results['duration_s']} s.", "",
              "**Verdict:** " + ("held: no rule broke." if not broken else "broke: " + "; ".join(broken)), "",
              "A round: " + "; ".join(results["round"]) + ".", ""]

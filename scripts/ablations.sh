@@ -5,6 +5,8 @@
 #   bash scripts/ablations.sh                  the recipe's rows (docs/paper.md, "Ablations at 2,048 conversations")
 #   bash scripts/ablations.sh 2                their first two rows only
 #   SET=draft-layer bash scripts/ablations.sh  the draft layer's rows ("The draft layer's attention input")
+#   SET=eagle31 bash scripts/ablations.sh      EAGLE 3.1 and EDSD's fc norms (#75): the first 2,048 of the
+#                                              draft-layer-10k answers, the shipped recipes and layers
 #   SET=draft-layer-10k bash scripts/ablations.sh  the 2k winner (token-reading + feature norm) against EAGLE-3 on all
 #                                              10,043 conversations (days on a 2-core CPU; resumes;
 #                                              on a GPU without vLLM: scripts/draft_layer_10k_gpu.sh)
@@ -25,7 +27,23 @@ fi
 export EDSD_CPU_MEMORY_FRACTION=${EDSD_CPU_MEMORY_FRACTION:-0.6}
 COSINE="--lr-schedule cosine --weight-decay 0"
 DATA=(--sizes 2048)
-if [ "${SET:-recipe}" = draft-layer-10k ]; then
+if [ "${SET:-recipe}" = eagle31 ]; then
+  # The shipped pair's recipe against EAGLE 3.1 (speculators' defaults) and a norm before EDSD's fc,
+  # on the first 2,048 of the 10,043 answers the draft-layer-10k set trains on (seeded, not answered again).
+  OUT=${OUT:-bench/results/learning-curve-eagle31-2k-avx512}
+  DATA=(--chat-prompts 8070 --code-prompts 1973 --sizes 2048)
+  LAYERS=1,20,29
+  $PYTHON -m bench.gpu_runs seed --work "${WORK:-$HOME/.cache/vllm-edsd/learning-curve}"
+  SHIPPED_EDSD="--attention-reads-token --feature-norm"
+  ROWS=(
+    "eagle3|"                                                       # EAGLE-3 as shipped
+    "edsd|$SHIPPED_EDSD"                                            # EDSD as shipped
+    "eagle3|--norm-before-fc --norm-before-residual --norm-output"  # EAGLE 3.1, speculators' defaults
+    "edsd|$SHIPPED_EDSD --norm-before-fc"                           # one RMSNorm over [layer a; layer b] before fc
+    "eagle3|--fc-norm --norm-before-residual --norm-output"         # EAGLE 3.1 with the per-layer norm
+    "edsd|$SHIPPED_EDSD --fc-norm"                                  # a norm per target layer before fc
+  )
+elif [ "${SET:-recipe}" = draft-layer-10k ]; then
   # Every usable ShareGPT conversation of the PyPI wheel (learning-curve-10k's data), the demo recipe.
   OUT=${OUT:-bench/results/learning-curve-draft-layer-10k-avx2}
   DATA=(--chat-prompts 8070 --code-prompts 1973 --sizes 10043)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.cli import parse
-from bench.soak import broken_rules, check
+from bench.soak import broken_rules, check, rank_binding
 from bench.soak_load import (
     ABANDONED,
     BAD_ACCEPTED,
@@ -139,8 +139,30 @@ def test_every_broken_rule_is_one_line():
     assert "parts at token 5" in render(broken)
 
 
+def test_replies_parted_the_same_way_are_one_line_and_16_bit_runs_say_why():
+    parted = [{"prompt": 0, "request": r, "first_difference_at": 22} for r in (0, 18, 36)]
+    greedy = {"compared": 8, "equal": 4, "equal_share": 0.5,
+              "differ": [*parted, {"prompt": 4, "request": 8, "first_difference_at": 10}]}
+    report = render({**results(greedy=greedy, dtype="bfloat16", tensor_parallel_size=2), "broken_rules": []})
+    assert "prompt 0: 3 replies part at token 22" in report and "prompt 4: 1 reply parts at token 10" in report
+    assert "scripts/batch_variance.py" in report and "(bfloat16, TP 2)" in report
+    assert "batch_variance" not in render({**results(greedy=greedy, dtype="float32"), "broken_rules": []})
+
+
 def test_bad_soak_values_are_one_line():
     for argv, message in ((["--concurrency", "0"], "--concurrency takes"), (["--concurrency", "64"], "from 1 to 32"),
-                          (["--duration", "0"], "--duration must be at least 1")):
+                          (["--duration", "0"], "--duration must be at least 1"),
+                          (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1")):
         with pytest.raises(EDSDError, match=message):
             check(parse(["soak", "--out", "x", *argv]))
+
+
+def test_each_rank_gets_its_share_of_the_cores_unless_the_user_bound_them(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert rank_binding(1) == {}
+    assert rank_binding(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}
+    with pytest.raises(EDSDError, match="8 ranks .* need as many cores; this process may use 4"):
+        rank_binding(8)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert rank_binding(2) == {}

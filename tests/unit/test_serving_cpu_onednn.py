@@ -12,13 +12,14 @@ import pytest
 # In a fresh process: a real oneDNN matmul handle, one recorded on the meta device (as the
 # engine's recompile after a failed AOT load leaves them) and one made under a fake-tensor trace
 # (as torch.compile's tracing of a linear layer leaves them), each dropped while a fake-tensor
-# trace is active and again outside it, the ways the garbage collector drops them. What each
+# trace is active, inside a fake-tensor kernel (every operation sent to the meta kernels) and
+# outside both, the ways the garbage collector drops them. What each
 # finaliser leaves to sys.unraisablehook, first vLLM's own, then the plugin's, and the plugin's
 # count of freed and skipped handles.
 FINALISERS = """
 import contextlib, json, sys, torch, vllm_edsd
 from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, in_kernel_invocation_manager
 from vllm import _custom_ops as ops
 
 def tracing():
@@ -47,7 +48,10 @@ def fake_tensor():
 HANDLERS = {"real": lambda: ops.create_onednn_mm(torch.randn(64, 32).t()),
             "meta": lambda: handler_holding(lambda: torch.tensor(0, dtype=torch.int64, device="meta")),
             "fake": lambda: handler_holding(fake_tensor)}
-WHEN = {"tracing": tracing, "after": contextlib.nullcontext}
+def in_fake_kernel():
+    return in_kernel_invocation_manager(FakeTensorMode())
+
+WHEN = {"tracing": tracing, "in kernel": in_fake_kernel, "after": contextlib.nullcontext}
 
 def every_drop():
     return {f"{name} {when}": dropped(make, during) for name, make in HANDLERS.items() for when, during in WHEN.items()}
@@ -68,7 +72,7 @@ def test_handles_dropped_while_tracing_are_freed_without_error():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     # what the plugin's row is for: vLLM's finaliser fails on a real handle while tracing, and on
     # the meta ones wherever they are dropped, on the fake ones while tracing
-    failing = ("real tracing", "meta tracing", "meta after", "fake tracing")
+    failing = ("real tracing", "real in kernel", "meta tracing", "meta after", "fake tracing")
     assert all(result["vllm"][drop] for drop in failing), result
     assert not any(result["plugin"].values()), result
-    assert result["releases"] == {"freed": 2, "skipped": 4}, result  # both real handles freed, no other
+    assert result["releases"] == {"freed": 3, "skipped": 6}, result  # the three real handles freed, no other

@@ -12,17 +12,21 @@ _Py_CheckRecursiveCall: Cannot recover from stack overflow" (docs/known-issues.m
 Some handles hold no pointer at all: those made while torch.compile traced the model keep a
 *fake* tensor (``FakeTensor``, a tensor subclass that reports the CPU as its device) or a *meta*
 tensor, on which ``.item()`` can only fail; vLLM's finaliser then printed "Exception ignored in
-... CPUDNNLGEMMHandler.__del__" with a traceback at some engine starts (issue #74). The
-replacement skips every handle whose tensor is not a plain CPU tensor, and runs vLLM's own
-finaliser on the others with torch's function modes, Python dispatch and Python dispatcher
-turned off, so that ``.item()`` is the plain read of a CPU integer it is meant to be.
-``RELEASES`` counts both, so a test can show that every real handle is still freed.
+... CPUDNNLGEMMHandler.__del__" with a traceback at some engine starts (issue #74). A real
+handle can fail the same way: dropped while a fake-tensor kernel runs, when torch sends every
+operation of the thread to its meta kernels (``torch._C._meta_in_tls_dispatch_include``), its
+``.item()`` reaches the meta kernel and the handle leaks with that traceback. The replacement
+skips every handle whose tensor is not a plain CPU tensor, and runs vLLM's own finaliser on the
+others with torch's function modes, Python dispatch, the Python dispatcher and that meta
+redirection turned off, so that ``.item()`` is the plain read of a CPU integer it is meant to
+be. ``RELEASES`` counts both, so a test can show that every real handle is still freed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -39,12 +43,25 @@ def holds_pointer(tensor: torch.Tensor | None) -> bool:
     return type(tensor) is torch.Tensor and not tensor.is_meta
 
 
+@contextmanager
+def plain_dispatch() -> Iterator[None]:
+    """Operations reach their CPU kernels: no torch function mode, Python dispatch, Python
+    dispatcher or fake-tensor meta redirection of the current thread, restored afterwards."""
+    meta = torch._C._meta_in_tls_dispatch_include()
+    torch._C._set_meta_in_tls_dispatch_include(False)
+    try:
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch._C._DisablePythonDispatcher():
+            yield
+    finally:
+        torch._C._set_meta_in_tls_dispatch_include(meta)
+
+
 def _released_outside_tracing(original: Callable) -> Callable:
     def __del__(handler) -> None:
         if not holds_pointer(getattr(handler, "handler_tensor", None)):
             RELEASES["skipped"] += 1
             return
-        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch._C._DisablePythonDispatcher():
+        with plain_dispatch():
             original(handler)
         RELEASES["freed"] += 1
 
