@@ -22,7 +22,8 @@ Writes DIR/results.json, DIR/report.md and DIR/memory.png:
 * the greedy replies under load against the same requests (prompt and cap) sent one at a time to
   the same server afterwards: the share equal, and which differ (a near-tie broken otherwise in
   a larger batch can part a float16/bfloat16 reply; float32 keeps them equal);
-* the resident memory of every server process over time (the plot), sampled with psutil;
+* the resident memory of every server process over time (the plot), sampled with psutil, and
+  its growth from the 5th minute to the end;
 * lines of the server's log with "Traceback" or "Exception ignored" while it served;
 * ``/metrics`` after the load: running and waiting requests and the KV cache use must be 0
   (prefix caching keeps blocks cached, not in use);
@@ -33,8 +34,9 @@ Writes DIR/results.json, DIR/report.md and DIR/memory.png:
 middle of a ``step()`` loop, the others' greedy outputs checked and the KV blocks freed.
 
 Exit status 1 when a rule broke: a 5xx, a bad request not refused with its field named, a good
-request failed, under 90 % of the greedy replies equal, a log problem while serving, state left
-after the load, or a process left after SIGTERM.
+request failed, under 90 % of the greedy replies equal, resident memory grown 5 % or more from the
+5th minute on (in a run of 10 minutes or more), a log problem while serving, state left after
+the load, or a process left after SIGTERM.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from .soak_watch import (
     MemoryWatch,
     log_problems,
     log_size,
+    memory_growth,
     new_marker,
     plot_memory,
     read_from,
@@ -74,6 +77,7 @@ BUSY_CPU_SLACK_S = 25  # on top, for interpreters ending on a loaded 2-core mach
 # The share of greedy replies under load that must equal the same request's alone: a 16-bit run
 # may part at a near-tie now and then (float32 keeps all equal; the report lists each one).
 GREEDY_EQUAL_FLOOR = 0.9
+MEMORY_GROWTH_CEILING_PERCENT = 5  # from the 5th minute to the end, in a run of 10 minutes or more
 
 
 def speculative_config(drafter: str, k: int) -> dict:
@@ -168,7 +172,8 @@ def soak(server: Server, prompts: list[list[dict]], args: argparse.Namespace, ou
     return {"levels": levels, "overall": judge(records, requests), "round": [r["what"] for r in requests],
             "greedy": compare_greedy(records, requests, replies_alone(server.base, requests)),
             "state_after_load": request_state(server.base), "serving_log_problems": server.serving_problems(),
-            "memory_samples": watch.samples if watch else []}
+            "memory_samples": watch.samples if watch else [],
+            "memory_growth": memory_growth(watch.samples) if watch else None}
 
 
 def broken_rules(results: dict) -> list[str]:
@@ -179,6 +184,10 @@ def broken_rules(results: dict) -> list[str]:
     if greedy["compared"] and greedy["equal"] < GREEDY_EQUAL_FLOOR * greedy["compared"]:
         broken.append(f"{greedy['compared'] - greedy['equal']} of {greedy['compared']} greedy replies differ "
                       f"(more than {1 - GREEDY_EQUAL_FLOOR:.0%})")
+    growth = results.get("memory_growth")
+    if growth and growth["growth_percent"] >= MEMORY_GROWTH_CEILING_PERCENT:
+        broken.append(f"resident memory grew {growth['growth_percent']} % from minute 5 to the end "
+                      f"({growth['from_mib']} to {growth['end_mib']} MiB)")
     if results["serving_log_problems"]:
         broken.append(f"{len(results['serving_log_problems'])} exception line(s) in the log while serving")
     if not results["state_after_load"]["empty"]:

@@ -61,6 +61,10 @@ def _server(results: dict) -> list[str]:
         totals = [sum(sizes.values()) for _, sizes in samples]
         lines.append(f"Resident memory of its processes (memory.png): {totals[0]:.0f} MiB at the start, "
                      f"{max(totals):.0f} MiB at most, {totals[-1]:.0f} MiB at the end ({len(samples)} samples).")
+        growth = results.get("memory_growth")
+        if growth:
+            lines.append(f"From the 5th minute ({growth['from_s']:.0f} s, {growth['from_mib']} MiB) to the end "
+                         f"({growth['end_mib']} MiB): {growth['growth_percent']:+.1f} %.")
     else:
         lines.append("Resident memory: not watched (pass --pid with --url).")
     problems = results["serving_log_problems"]

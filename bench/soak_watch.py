@@ -110,6 +110,20 @@ class MemoryWatch:
             thread.join()
 
 
+SETTLED_S = 300  # the first minutes fill the allocator's and oneDNN's caches for the batch shapes met
+
+
+def memory_growth(samples: list) -> dict | None:
+    """The server's total resident memory at the first sample from the 5th minute on and at the
+    end, and the growth between them in percent (None: the run was not twice that long)."""
+    totals = [(t, sum(sizes.values())) for t, sizes in samples if sizes]
+    settled = next(((t, total) for t, total in totals if t >= SETTLED_S), None)
+    if settled is None or totals[-1][0] < 2 * SETTLED_S:
+        return None
+    return {"from_s": settled[0], "from_mib": round(settled[1]), "end_mib": round(totals[-1][1]),
+            "growth_percent": round(100 * (totals[-1][1] / settled[1] - 1), 2)}
+
+
 def plot_memory(samples: list, path: Path) -> None:
     """The resident memory of each server process and their total over time, as a PNG."""
     import matplotlib

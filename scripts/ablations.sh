@@ -40,6 +40,8 @@ if [ "${SET:-recipe}" = eagle31 ]; then
     "edsd|$SHIPPED_EDSD"                                            # EDSD as shipped
     "eagle3|--norm-before-fc --norm-before-residual --norm-output"  # EAGLE 3.1, speculators' defaults
     "edsd|$SHIPPED_EDSD --norm-before-fc"                           # one RMSNorm over [layer a; layer b] before fc
+    "edsd|$SHIPPED_EDSD --fuse-intermediate-size 576"               # EDFuse at the target's width: a draft
+                                                                    # step's float32 weights fit a 32-MiB L3
     "eagle3|--fc-norm --norm-before-residual --norm-output"         # EAGLE 3.1 with the per-layer norm
     "edsd|$SHIPPED_EDSD --fc-norm"                                  # a norm per target layer before fc
   )

@@ -25,7 +25,7 @@ from bench.soak_load import (
     round_requests,
 )
 from bench.soak_report import render
-from bench.soak_watch import log_problems, metric_values
+from bench.soak_watch import log_problems, memory_growth, metric_values
 from vllm_edsd.errors import EDSDError
 
 PROMPTS = [[{"role": "user", "content": f"prompt {i}"}] for i in range(8)]
@@ -166,3 +166,15 @@ def test_each_rank_gets_its_share_of_the_cores_unless_the_user_bound_them(monkey
         rank_binding(8)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     assert rank_binding(2) == {}
+
+
+def test_memory_grown_from_the_5th_minute_is_measured_and_5_percent_breaks_the_run():
+    samples = [[t, {"api[1]": 1000.0, "worker[2]": 3000.0 + t}] for t in range(0, 1201, 100)]
+    growth = memory_growth(samples)
+    assert growth == {"from_s": 300, "from_mib": 4300, "end_mib": 5200, "growth_percent": 20.93}
+    assert memory_growth(samples[:6]) is None  # 500 s: not twice the settling time
+    grown = results(memory_growth=growth)
+    assert broken_rules(grown) == ["resident memory grew 20.93 % from minute 5 to the end (4300 to 5200 MiB)"]
+    report = render({**grown, "broken_rules": []})
+    assert "From the 5th minute (300 s, 4300 MiB) to the end (5200 MiB): +20.9 %." in report
+    assert broken_rules(results(memory_growth={**growth, "growth_percent": 1.7})) == []
