@@ -133,6 +133,13 @@ def judge(records: list[dict], requests: list[dict]) -> dict:
             "bad_requests": {what: dict(counts) for what, counts in bad.items()}}
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two replies' token ids part (None: equal)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def compare_greedy(records: list[dict], requests: list[dict], alone: list[list[int]]) -> dict:
     """Greedy replies under load against the same prompts' replies sent alone: how many are equal,
     and which differ (prompt, request id, first position where they part)."""
@@ -144,7 +151,7 @@ def compare_greedy(records: list[dict], requests: list[dict], alone: list[list[i
         compared += 1
         got, expected = record["token_ids"], alone[index]
         if got != expected:
-            parted = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-            differ.append({"prompt": index, "request": record["id"], "first_difference_at": parted})
+            differ.append({"prompt": index, "request": record["id"],
+                           "first_difference_at": first_difference(got, expected)})
     return {"compared": compared, "equal": compared - len(differ),
             "equal_share": (compared - len(differ)) / compared if compared else None, "differ": differ[:50]}

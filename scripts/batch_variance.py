@@ -23,13 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench packag
 
 from bench.arguments import target_and_drafter  # noqa: E402
 from bench.offline import load_prompts  # noqa: E402
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The index of the first token where ``a`` and ``b`` differ (None: equal)."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+from bench.soak_load import first_difference  # noqa: E402
 
 
 def main() -> None:
