@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from vllm_edsd.launch.replies import first_difference
+
 CAP_KEY = "num_speculative_tokens"  # the per-request cap's key in vllm_xargs
 WALK_AWAY_AFTER = 4  # token-bearing chunks a client that walks away reads first
 WALK_AWAY_TOKENS = 512  # what it asked for: far from its end when it leaves
@@ -131,13 +133,6 @@ def judge(records: list[dict], requests: list[dict]) -> dict:
                            "error": record["error"], "error_body": record.get("error_body")})
     return {"outcomes": dict(outcomes), "faults": faults[:50], "fault_count": len(faults),
             "bad_requests": {what: dict(counts) for what, counts in bad.items()}}
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two replies' token ids part (None: equal)."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def compare_greedy(records: list[dict], requests: list[dict], alone: list[list[int]]) -> dict:

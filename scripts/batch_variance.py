@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench packag
 
 from bench.arguments import target_and_drafter  # noqa: E402
 from bench.offline import load_prompts  # noqa: E402
-from bench.soak_load import first_difference  # noqa: E402
+from vllm_edsd.launch.replies import first_difference  # noqa: E402
 
 
 def main() -> None:

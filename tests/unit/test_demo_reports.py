@@ -23,6 +23,25 @@ def test_demo_names_its_dtype_and_where_a_reply_differs():
     )
 
 
+
+def test_demo_takes_the_median_round_and_counts_a_reply_that_changed_between_rounds():
+    """Each method sends the prompts ROUNDS times; its tokens/s is the median round's, and a
+    greedy reply that a later round changed is not 'same text', with a line saying so."""
+    from vllm_edsd.demo.cli import ROUNDS, _result, summary
+    from vllm_edsd.launch.engine import SpecCounters
+
+    assert ROUNDS == 3
+    counters = SpecCounters(drafts=4, draft_tokens=16, accepted=8, accepted_per_pos=[4, 2, 1, 1])
+    replies = [{"text": "a", "token_ids": [1, 2, 3, 4]} for _ in range(4)]
+    changed = [*replies[:2], {"text": "b", "token_ids": [1, 2, 3, 5]}, replies[3]]
+    plain = _result([replies] * 3, [10.0, 30.0, 11.0], None, [[5.0] * 4] * 4)
+    drafted = _result([replies, changed, replies], [20.0, 25.0, 40.0], counters, None)
+    assert (plain["tokens_per_s"], drafted["tokens_per_s"]) == (11.0, 25.0)
+    assert plain["unstable"] == [] and drafted["unstable"] == [2]
+    text = summary({"none": plain, "edsd": drafted}, 4)
+    assert "3/4" in text and "edsd: prompt 3's greedy reply changed between rounds" in text
+    assert "sent 3 times; tokens/s: the median round's" in text
+
 def test_shipped_assets_record_no_machine_paths():
     from vllm_edsd.demo import ASSETS
 
