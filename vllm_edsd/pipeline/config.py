@@ -24,6 +24,7 @@ from vllm_edsd.features.shards import BACKENDS  # what runs the target for its f
 from vllm_edsd.methods import METHODS
 from vllm_edsd.methods.edsd.config import TOKEN_NORMS
 from vllm_edsd.methods.registry import EAGLE3, EDSD
+from vllm_edsd.training.recipe import AUTOCAST_DTYPES
 
 EXAMPLE = f"""\
 # edsd pipeline smollm2.toml            (relative paths are relative to this file)
@@ -133,6 +134,7 @@ class Train:
     warmup: float | None = None
     weight_decay: float | None = None
     feature_noise: float | None = None
+    autocast: str | None = field(default=None, metadata={CHOICES: AUTOCAST_DTYPES})  # the loss's forward in bfloat16
     # EDSD's architecture (EAGLE-3 has no such part: its runs leave these out)
     token_norm: str | None = field(default=None, metadata={CHOICES: TOKEN_NORMS})
     attention_reads_token: bool | None = None  # the draft layer also reads the token (not the paper's)

@@ -24,7 +24,7 @@ from vllm_edsd.methods.edsd.config import TOKEN_NORMS
 from .curriculum import READINGS
 from .distributed import DATA_PARALLEL
 from .options import TrainOptions
-from .recipe import LR_SCHEDULES
+from .recipe import AUTOCAST_DTYPES, LR_SCHEDULES
 from .stage import run as train
 
 EPILOG = """\
@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0, SpecForge's)")
     parser.add_argument("--batch-size", type=int, help="samples per batch (default %(default)s)")
+    parser.add_argument("--autocast", choices=AUTOCAST_DTYPES,
+                        help="run the loss's forward in this dtype under torch.autocast (weights, gradients and "
+                             "AdamW stay float32): 1.76x the positions per second on a CPU with AVX512-BF16 "
+                             "(docs/training.md); slower where the CPU emulates bfloat16. Default: float32")
     parser.add_argument("--save-every", type=int, metavar="N",
                         help="also save the training state every N batches, so that an interrupted epoch resumes "
                              "where it was saved (default 0: after each epoch only); the result is the same")

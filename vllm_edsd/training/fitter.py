@@ -55,9 +55,14 @@ class Fitter:
                                            weight_decay=recipe.weight_decay)
         loss = _Loss(model, draft_head, recipe, world)
         self.loss = DistributedDataParallel(loss) if world.data_parallel == DDP else loss
+        self.device_type = draft_head.device.type
 
     def step(self, batch: dict[str, torch.Tensor], steps: int, percent: float, lr: float) -> BatchResult:
-        result = self.loss(batch, steps, percent)
+        """One optimizer step on ``batch``; with the recipe's ``autocast`` the loss's forward runs
+        in that dtype (its backward follows it), the weights and AdamW stay float32."""
+        autocast = self.recipe.autocast
+        with torch.autocast(self.device_type, dtype=getattr(torch, autocast or "bfloat16"), enabled=bool(autocast)):
+            result = self.loss(batch, steps, percent)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()

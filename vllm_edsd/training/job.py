@@ -19,6 +19,7 @@ from vllm_edsd.features.samples import (
     training_samples,
 )
 from vllm_edsd.features.shards import aux_columns
+from vllm_edsd.launch.engine import cpu_computes_natively
 from vllm_edsd.launch.transformers_target import load_target
 
 from .distributed import SINGLE, World
@@ -104,5 +105,8 @@ def prepare(options: TrainOptions, world: World = SINGLE, device: str | None = N
         print(f"{options.method}: {len(samples)} samples, layers {list(layers)}, draft vocab {len(d2t)}, "
               f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
               + (f", {world.size} data-parallel processes ({world.data_parallel})" if world.size > 1 else ""))
+        if recipe.autocast and torch.device(device).type == "cpu" and not cpu_computes_natively(recipe.autocast):
+            print(f"warning: --autocast {recipe.autocast} on a CPU that emulates it (no native {recipe.autocast} "
+                  "instructions in /proc/cpuinfo): training runs slower than in float32")
     columns = None if feature_layers == layers else aux_columns(feature_layers, layers, target.hidden_size)
     return Job(model, shards, draft_head, recipe, columns)

@@ -39,6 +39,7 @@ class TrainOptions(SampleOptions):
     lr_schedule: str = "cosine"  # recipe.LR_SCHEDULES
     warmup: float = 0.015  # fraction of the optimizer steps warmed up (cosine)
     weight_decay: float = 0.0
+    autocast: str | None = None  # recipe.AUTOCAST_DTYPES: the loss's forward under torch.autocast
     batch_size: int = 4
     save_every: int = 0  # also save the state every N batches; 0: after each epoch only
     data_parallel: str = DDP  # under torchrun: distributed.DATA_PARALLEL

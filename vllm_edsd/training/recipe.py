@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from .options import TrainOptions
 
 LR_SCHEDULES = ("cosine", "constant")
+# The dtype a forward may run in under torch.autocast (bfloat16 needs no loss scaling, float16 would).
+AUTOCAST_DTYPES = ("bfloat16",)
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Recipe:
     grad_clip: float = 0.5
     seed: int = 0
     feature_noise: float = 0.0  # Gaussian noise on the target features, relative to each layer's RMS
+    autocast: str | None = None  # AUTOCAST_DTYPES: the loss's forward in it; weights, gradients, AdamW in float32
 
     @classmethod
     def from_options(cls, options: TrainOptions) -> Recipe:
@@ -47,7 +50,7 @@ class Recipe:
                    mask_p=curriculum and not options.no_mask_p, step_n=curriculum and not options.no_step_n,
                    lr=options.lr, lr_schedule=options.lr_schedule, warmup=options.warmup,
                    weight_decay=options.weight_decay, batch_size=options.batch_size, seed=options.seed,
-                   feature_noise=options.feature_noise)
+                   feature_noise=options.feature_noise, autocast=options.autocast)
 
     def percent(self, epoch: int) -> float:
         return READINGS[self.reading].mask_percent(epoch, self.epochs, self.gamma) if self.mask_p else 0.0
