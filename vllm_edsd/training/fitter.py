@@ -60,8 +60,8 @@ class Fitter:
     def step(self, batch: dict[str, torch.Tensor], steps: int, percent: float, lr: float) -> BatchResult:
         """One optimizer step on ``batch``; with the recipe's ``autocast`` the loss's forward runs
         in that dtype (its backward follows it), the weights and AdamW stay float32."""
-        autocast = self.recipe.autocast
-        with torch.autocast(self.device_type, dtype=getattr(torch, autocast or "bfloat16"), enabled=bool(autocast)):
+        dtype = getattr(torch, self.recipe.autocast) if self.recipe.autocast else None
+        with torch.autocast(self.device_type, dtype=dtype, enabled=dtype is not None):
             result = self.loss(batch, steps, percent)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
