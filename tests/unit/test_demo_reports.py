@@ -41,6 +41,7 @@ def test_demo_takes_the_median_round_and_counts_a_reply_that_changed_between_rou
     text = summary({"none": plain, "edsd": drafted}, 4)
     assert "3/4" in text and "edsd: prompt 3's greedy reply changed between rounds" in text
     assert "sent 3 times; tokens/s: the median round's" in text
+    assert "tokens/s per round: none 10.0 30.0 11.0; edsd 20.0 25.0 40.0" in text
 
 def test_shipped_assets_record_no_machine_paths():
     from vllm_edsd.demo import ASSETS

@@ -126,7 +126,8 @@ def _result(rounds: list[list[dict]], speeds: list[float], counters, margins: li
     first = [list(r["token_ids"]) for r in rounds[0]]
     unstable = sorted({i for later in rounds[1:] for i, r in enumerate(later) if list(r["token_ids"]) != first[i]})
     return {"texts": [r["text"] for r in rounds[0]], "token_ids": first, "unstable": unstable,
-            "tokens_per_s": statistics.median(speeds), "counters": counters, "margins": margins}
+            "tokens_per_s": statistics.median(speeds), "rounds_tokens_per_s": speeds, "counters": counters,
+            "margins": margins}
 
 
 def _measure_offline(name: str, target: str, spec: dict | None, max_tokens: int) -> dict:
@@ -250,4 +251,7 @@ def summary(results: dict[str, dict], k: int) -> str:
     note = (f"{DEMO_DTYPE}, K={k}, temperature 0, batch size 1, {len(DEMO_PROMPTS)} prompts (chat and code) not seen "
             f"in training, sent {ROUNDS} times; tokens/s: the median round's.\n'same text': token ids identical to "
             "the target alone's, in every round.")
-    return "\n".join([rule, *rows, rule, note, *differences(results)])
+    rounds = [f"{method} {' '.join(f'{v:.1f}' for v in r['rounds_tokens_per_s'])}"
+              for method, r in results.items() if r.get("rounds_tokens_per_s")]
+    spread = [f"tokens/s per round: {'; '.join(rounds)}"] if rounds else []
+    return "\n".join([rule, *rows, rule, note, *spread, *differences(results)])
