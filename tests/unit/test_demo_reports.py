@@ -23,7 +23,6 @@ def test_demo_names_its_dtype_and_where_a_reply_differs():
     )
 
 
-
 def test_demo_takes_the_median_round_and_counts_a_reply_that_changed_between_rounds():
     """Each method sends the prompts ROUNDS times; its tokens/s is the median round's, and a
     greedy reply that a later round changed is not 'same text', with a line saying so."""
@@ -42,6 +41,7 @@ def test_demo_takes_the_median_round_and_counts_a_reply_that_changed_between_rou
     assert "3/4" in text and "edsd: prompt 3's greedy reply changed between rounds" in text
     assert "sent 3 times; tokens/s: the median round's" in text
     assert "tokens/s per round: none 10.0 30.0 11.0; edsd 20.0 25.0 40.0" in text
+
 
 def test_shipped_assets_record_no_machine_paths():
     from vllm_edsd.demo import ASSETS
