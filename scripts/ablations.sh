@@ -7,6 +7,10 @@
 #   SET=draft-layer bash scripts/ablations.sh  the draft layer's rows ("The draft layer's attention input")
 #   SET=eagle31 bash scripts/ablations.sh      EAGLE 3.1 and EDSD's fc norms (#75): the first 2,048 of the
 #                                              draft-layer-10k answers, the shipped recipes and layers
+#   SET=eagle31-10k bash scripts/ablations.sh  #75's final pair on all 10,043 conversations, in bfloat16
+#                                              autocast: EDSD with $EDSD_SWITCHES, EAGLE with $EAGLE_SWITCHES
+#                                              (defaults: the 2,048 rows' best; about 2 h of extraction and
+#                                              2 h per row on a 2-core CPU; resumes)
 #   SET=draft-layer-10k bash scripts/ablations.sh  the 2k winner (token-reading + feature norm) against EAGLE-3 on all
 #                                              10,043 conversations (days on a 2-core CPU; resumes;
 #                                              on a GPU without vLLM: scripts/draft_layer_10k_gpu.sh)
@@ -48,6 +52,16 @@ if [ "${SET:-recipe}" = eagle31 ]; then
     "edsd|$SHIPPED_EDSD --norm-before-fc $BF16"                           # one RMSNorm over [layer a; layer b]
     "eagle3|--fc-norm --norm-before-residual --norm-output $BF16"         # EAGLE 3.1 with the per-layer norm
     "edsd|$SHIPPED_EDSD --fc-norm $BF16"                                  # a norm per target layer before fc
+  )
+elif [ "${SET:-recipe}" = eagle31-10k ]; then
+  # The best EDSD and the best EAGLE of the eagle31 rows, on every answer of the draft-layer-10k set.
+  OUT=${OUT:-bench/results/learning-curve-eagle31-10k-avx512}
+  DATA=(--chat-prompts 8070 --code-prompts 1973 --sizes 10043)
+  LAYERS=1,20,29
+  $PYTHON -m bench.gpu_runs seed --work "${WORK:-$HOME/.cache/vllm-edsd/learning-curve}"
+  ROWS=(
+    "edsd|${EDSD_SWITCHES:---attention-reads-token --feature-norm} --autocast bfloat16"
+    "eagle3|${EAGLE_SWITCHES:---norm-before-fc --norm-before-residual --norm-output} --autocast bfloat16"
   )
 elif [ "${SET:-recipe}" = draft-layer-10k ]; then
   # Every usable ShareGPT conversation of the PyPI wheel (learning-curve-10k's data), the demo recipe.
