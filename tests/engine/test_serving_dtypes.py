@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.drafters import PAPER_LAYER_EDSD, edsd_spec
+from support.drafters import edsd_spec, paper_layer_edsd
 from support.engine_checks import draft_agreement, reference_chains
 from support.engine_runs import greedy_phase
 from support.prompts import PROMPTS
@@ -62,14 +62,14 @@ def specforge_converted(demo_prompts, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("specforge-demo")
     shape = json.loads((Path(target) / "config.json").read_text())
     embed = torch.zeros(shape["vocab_size"], shape["hidden_size"])  # shared with the target: not saved
-    drafter = EDSDDraftModel.from_pretrained(PAPER_LAYER_EDSD, embed_tokens=embed)
+    drafter = EDSDDraftModel.from_pretrained(paper_layer_edsd(), embed_tokens=embed)
     weights = SPECFORGE_EDSD.rename_from_canonical(drafter.trainable_state_dict())
     layer_ids = [i - 1 for i in drafter.config.aux_layer_ids]
     write_specforge_checkpoint(target, root / "epoch_2_step_900", target_layer_ids=layer_ids,
                                draft_vocab_size=drafter.config.draft_vocab_size, weights=weights)
     convert(root / "epoch_2_step_900", root / "served", target=target)
     served = load_file(root / "served" / "model.safetensors")
-    trained = load_file(PAPER_LAYER_EDSD / "model.safetensors")
+    trained = load_file(paper_layer_edsd() / "model.safetensors")
     assert served.keys() == trained.keys()
     assert all(torch.equal(served[name].to(trained[name].dtype), trained[name]) for name in served)
     return str(root / "served")
@@ -106,7 +106,7 @@ def test_paper_layer_in_float16_from_a_specforge_checkpoint_accepts_as_in_float3
     """The paper's draft layer and layout as SpecForge trains them: real weights whose fed-back
     state leaves float16's range, saved as a SpecForge checkpoint and converted, served in
     float16, against the same drafter in float32."""
-    reference = per_position(demo_prompts, engine_runs, "edsd", "float32", str(PAPER_LAYER_EDSD))
+    reference = per_position(demo_prompts, engine_runs, "edsd", "float32", str(paper_layer_edsd()))
     measured = per_position(demo_prompts, engine_runs, "edsd", "float16", specforge_converted)
     assert_accepts_as(measured, reference, "the paper's layer from a SpecForge checkpoint, in float16")
 

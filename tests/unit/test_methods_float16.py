@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.drafters import PAPER_LAYER_EDSD
+from support.drafters import paper_layer_edsd
 from transformers import AutoTokenizer
 
 import vllm_edsd.methods.edsd.float16_range as float16_range
@@ -74,7 +74,7 @@ def paper_layer_drafter():
     prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True,
                                            return_tensors="pt")["input_ids"]
     sequence = target.generate(prompt, max_new_tokens=48, do_sample=False)
-    drafter = EDSDDraftModel.from_pretrained(PAPER_LAYER_EDSD, embed_tokens=target.model.embed_tokens.weight)
+    drafter = EDSDDraftModel.from_pretrained(paper_layer_edsd(), embed_tokens=target.model.embed_tokens.weight)
     layers = drafter.config.aux_layer_ids
     return drafter, run_target(target, sequence, layers).features(layers)[:, :-1], sequence[:, 1:]
 
