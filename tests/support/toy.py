@@ -162,8 +162,8 @@ def make_drafter(
     zero, so every draft logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
     ``constant_token``. Its acceptance is therefore predictable from the target's output.
     ``switches`` (``EDSDConfig``'s: ``attention_reads_token``, ``feature_norm``, ``norm_before_fc``,
-    ``fc_norm``) build the draft layer that reads the token, the normed feature, fc's normed
-    input (their norms' weights random as well).
+    ``fc_norm``, ``norm_before_residual``) build the draft layer that reads the token, the normed
+    feature, fc's normed input (their norms' weights random as well), the normed residual.
     """
     cfg = EDSDConfig.for_target(
         target_config(target_dir), aux_layer_ids, draft_vocab_size=draft_vocab_size, token_norm=token_norm

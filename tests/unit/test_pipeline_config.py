@@ -232,15 +232,16 @@ def test_edsd_only_keys_reach_edsd_alone(toy, tmp_path):
 
 def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
     """``train.attention_reads_token`` and ``train.feature_norm`` switch EDSD's draft layer away
-    from the paper's, EAGLE 3.1's residual and output keys EAGLE-3's; each method's run is given
-    its own alone. fc's input norm (``train.norm_before_fc``) is both methods': both runs are
-    given it. ``edsd train`` shows them as flags."""
+    from the paper's, EAGLE 3.1's normed output EAGLE-3's; each method's run is given its own
+    alone. fc's input norm (``train.norm_before_fc``) and the normed residual
+    (``train.norm_before_residual``) are both methods': both runs are given them. ``edsd train``
+    shows them as flags."""
     from vllm_edsd.command import command_line
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
 
-    own = {"edsd": ("attention_reads_token", "feature_norm"), "eagle3": ("norm_before_residual", "norm_output")}
-    shared = ("norm_before_fc",)
+    own = {"edsd": ("attention_reads_token", "feature_norm"), "eagle3": ("norm_output",)}
+    shared = ("norm_before_fc", "norm_before_residual")
     train = {name: True for names in (*own.values(), shared) for name in names}
     plan = Plan(load_config(toy_config(toy, tmp_path / "work", train=train)))
     for method, names in own.items():

@@ -139,11 +139,11 @@ class Train:
     token_norm: str | None = field(default=None, metadata={CHOICES: TOKEN_NORMS})
     attention_reads_token: bool | None = None  # the draft layer also reads the token (not the paper's)
     feature_norm: bool | None = None  # EDFuse's gate reads the normed feature (not the paper's)
-    # fc's input norms, EAGLE 3.1's, for both methods' runs (norm_before_fc or fc_norm, not both)
+    # EAGLE 3.1's norms for both methods' runs: fc's input (norm_before_fc or fc_norm, not both), the residual
     norm_before_fc: bool | None = None  # one RMSNorm over fc's whole input
     fc_norm: bool | None = None  # one RMSNorm per target layer before fc
-    # EAGLE 3.1's other norms (EDSD has no such part: its runs leave these out)
-    norm_before_residual: bool | None = None  # the draft layer's residual is the normed state
+    norm_before_residual: bool | None = None  # the draft layer's residual is its normed input
+    # EAGLE 3.1's fed-back state (EDSD's feature_norm is its own: its runs leave this out)
     norm_output: bool | None = None  # the fed-back state is the final norm's output
     # the run
     seed: int | None = None

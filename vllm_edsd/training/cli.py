@@ -101,8 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_draft_layer_arguments(parser: argparse.ArgumentParser) -> None:
     """The switches of each method's draft layer (``Method.switches``): EDSD's beyond the paper,
-    fc's input norms for both methods, EAGLE 3.1's other norms for EAGLE-3; another method's
-    switch is refused by ``training.drafter``."""
+    EAGLE 3.1's norms of fc's input and of the residual for both methods, its normed fed-back
+    state for EAGLE-3; another method's switch is refused by ``training.drafter``."""
     parser.add_argument("--token-norm", choices=TOKEN_NORMS,
                         help="EDFuse's norm of the token embedding: rmsnorm (SpecForge's, default) or layernorm "
                              "(with bias, as the paper's prose describes)")
@@ -112,23 +112,24 @@ def add_draft_layer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-norm", action="store_true",
                         help="EDFuse's gate reads the normed feature, so the fed-back state stays bounded (not the "
                              "paper's design; docs/paper.md)")
-    fc_input = parser.add_argument_group(
-        "fc's input norms (either method; EAGLE 3.1's)",
-        "the target features reach fc unnormalised by default (the paper's EDSD, EAGLE-3 as first published); "
-        "one of these norms them first, as vLLM's eagle3 does")
-    fc_input.add_argument("--norm-before-fc", action="store_true",
-                          help="one RMSNorm over the target layers' features together, before fc "
-                               "(config.json: norm_before_fc, EDSD's in edsd_config; not with --fc-norm)")
-    fc_input.add_argument("--fc-norm", action="store_true",
-                          help="one RMSNorm per target layer, before fc: the per-layer alternative to "
-                               "--norm-before-fc (config.json: fc_norm)")
+    eagle31_norms = parser.add_argument_group(
+        "EAGLE 3.1's norms (either method)",
+        "the target features reach fc unnormalised and the draft layer's residual is its raw input by default "
+        "(the paper's EDSD, EAGLE-3 as first published); these norm them, as vLLM's eagle3 does")
+    eagle31_norms.add_argument("--norm-before-fc", action="store_true",
+                               help="one RMSNorm over the target layers' features together, before fc "
+                                    "(config.json: norm_before_fc, EDSD's in edsd_config; not with --fc-norm)")
+    eagle31_norms.add_argument("--fc-norm", action="store_true",
+                               help="one RMSNorm per target layer, before fc: the per-layer alternative to "
+                                    "--norm-before-fc (config.json: fc_norm)")
+    eagle31_norms.add_argument("--norm-before-residual", action="store_true",
+                               help="the draft layer's residual is its normed input (EAGLE-3: hidden_norm(h); "
+                                    "EDSD: input_layernorm(u)) rather than the raw one (config.json: "
+                                    "norm_before_residual)")
     eagle31 = parser.add_argument_group(
-        "EAGLE 3.1 (--method eagle3 only)",
-        "EAGLE-3's draft layer with more norms, as speculators trains it by default (--norm-before-fc "
-        "--norm-before-residual --norm-output) and vLLM's own eagle3 serves it; off: EAGLE-3 as first published")
-    eagle31.add_argument("--norm-before-residual", action="store_true",
-                         help="the draft layer's residual is its normed input state rather than the raw one "
-                              "(config.json: norm_before_residual)")
+        "EAGLE 3.1's fed-back state (--method eagle3 only)",
+        "speculators trains EAGLE 3.1 with --norm-before-fc --norm-before-residual --norm-output by default, "
+        "and vLLM's own eagle3 serves it; off: EAGLE-3 as first published")
     eagle31.add_argument("--norm-output", action="store_true",
                          help="feed the next draft step the final norm's output rather than its input, so the "
                               "fed-back state stays bounded (config.json: norm_output)")

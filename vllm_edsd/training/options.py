@@ -30,7 +30,7 @@ class TrainOptions(SampleOptions):
     feature_norm: bool = False  # EDFuse's gate reads the normed feature (edsd_config's switch)
     norm_before_fc: bool = False  # EAGLE 3.1's, either method: one RMSNorm over fc's whole input
     fc_norm: bool = False  # EAGLE 3.1's, either method: one RMSNorm per target layer before fc
-    norm_before_residual: bool = False  # EAGLE 3.1: the residual is the normed state
+    norm_before_residual: bool = False  # EAGLE 3.1's, either method: the residual is the normed input
     norm_output: bool = False  # EAGLE 3.1: the fed-back state is the final norm's output
     no_mask_p: bool = False  # ablation: no entropy mask
     no_step_n: bool = False  # ablation: fixed TTT steps

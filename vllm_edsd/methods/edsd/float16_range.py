@@ -106,9 +106,12 @@ def decoder_layer(
     input_norm: tuple[torch.Tensor, float],
     post_attention_norm: tuple[torch.Tensor, float],
     dtype: torch.dtype,
+    norm_before_residual: bool = False,
 ) -> torch.Tensor:
     """A pre-norm decoder layer on a float32 residual stream ``u``: attention and MLP run in
     ``dtype`` on the normed stream; the pre-norm output is returned in float32.
-    ``input_norm`` and ``post_attention_norm`` are RMSNorms' (weight, eps)."""
-    a = u + attend(rms_norm(u, *input_norm).to(dtype)).float()
+    ``input_norm`` and ``post_attention_norm`` are RMSNorms' (weight, eps); with
+    ``norm_before_residual`` the residual is the normed stream rather than ``u``."""
+    normed = rms_norm(u, *input_norm)
+    a = (normed if norm_before_residual else u) + attend(normed.to(dtype)).float()
     return a + mlp(rms_norm(a, *post_attention_norm).to(dtype)).float()

@@ -41,7 +41,8 @@ class DraftDecoderLayer(nn.Module):
     """One Llama decoder layer over the EDFuse output ``u`` (residual ``u``). Its attention reads
     ``input_layernorm(u)`` (width d: the paper's design), or, with ``attention_reads_token``,
     ``[input_layernorm(u); token_norm(e)]`` (width 2d, as EAGLE-3's reads [token; feature]):
-    the token itself then lies in every key and value, which copying from the context needs."""
+    the token itself then lies in every key and value, which copying from the context needs.
+    With ``norm_before_residual`` the residual is ``input_layernorm(u)`` (EAGLE 3.1's switch)."""
 
     def __init__(self, cfg: EDSDConfig) -> None:
         super().__init__()
@@ -51,6 +52,7 @@ class DraftDecoderLayer(nn.Module):
         self.self_attn = DraftAttention(cfg, input_size=2 * d if cfg.attention_reads_token else d)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.mlp = SwiGLU(d, cfg.intermediate_size)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def attention_input(self, normed: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """What q/k/v read, from the normed stream and the token's embedding."""
@@ -67,8 +69,11 @@ class DraftDecoderLayer(nn.Module):
                 u, lambda x: self.self_attn(self.attention_input(x, token_embeds), positions, kv), self.mlp,
                 (self.input_layernorm.weight, self.input_layernorm.eps),
                 (self.post_attention_layernorm.weight, self.post_attention_layernorm.eps), dtype,
+                self.norm_before_residual,
             )
-        a = u + self.self_attn(self.attention_input(self.input_layernorm(u), token_embeds), positions, kv)
+        normed = self.input_layernorm(u)
+        residual = normed if self.norm_before_residual else u
+        a = residual + self.self_attn(self.attention_input(normed, token_embeds), positions, kv)
         return a + self.mlp(self.post_attention_layernorm(a))
 
 

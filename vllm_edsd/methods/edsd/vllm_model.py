@@ -97,7 +97,12 @@ def _checkpoint_to_param(name: str, params: dict) -> tuple[str | None, object]:
 
 class EDSDDecoderLayer(LlamaDecoderLayer):
     """vLLM's Llama decoder layer, quantized like the drafter rather than the target; its
-    attention reads ``input_layernorm(u)`` (the paper's design)."""
+    attention reads ``input_layernorm(u)`` (the paper's design), its residual is ``u``, or
+    ``input_layernorm(u)`` with ``norm_before_residual``."""
+
+    def __init__(self, vllm_config: VllmConfig, *, edsd: EDSDConfig, prefix: str, config) -> None:
+        super().__init__(vllm_config, prefix=prefix, config=config)
+        self.norm_before_residual = edsd.norm_before_residual
 
     def get_quant_config(self, vllm_config: VllmConfig) -> QuantizationConfig | None:
         return get_draft_quant_config(vllm_config)
@@ -105,13 +110,22 @@ class EDSDDecoderLayer(LlamaDecoderLayer):
     def attention_input(self, normed: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         return normed
 
+    def forward_fused(
+        self, positions: torch.Tensor, u: torch.Tensor, token_embeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual) of the EDFuse output ``u``, as vLLM's decoder layers return them."""
+        normed = self.input_layernorm(u)
+        attn = self.self_attn(positions=positions, hidden_states=self.attention_input(normed, token_embeds))
+        hidden, residual = self.post_attention_layernorm(attn, normed if self.norm_before_residual else u)
+        return self.mlp(hidden), residual
+
 
 class TokenReadingDecoderLayer(EDSDDecoderLayer):
     """The decoder layer of ``attention_reads_token``: q/k/v read ``[input_layernorm(u);
-    token_norm(e)]`` (2d, a wider fused projection as vLLM's EAGLE-3 layer has), residual ``u``."""
+    token_norm(e)]`` (2d, a wider fused projection as vLLM's EAGLE-3 layer has)."""
 
     def __init__(self, vllm_config: VllmConfig, *, edsd: EDSDConfig, prefix: str, config) -> None:
-        super().__init__(vllm_config, prefix=prefix, config=config)
+        super().__init__(vllm_config, edsd=edsd, prefix=prefix, config=config)
         self.self_attn.qkv_proj = QKVParallelLinear(
             2 * edsd.hidden_size, edsd.head_dim, edsd.num_attention_heads, edsd.num_key_value_heads, bias=False,
             quant_config=self.get_quant_config(vllm_config), prefix=maybe_prefix(prefix, "self_attn.qkv_proj"),
@@ -120,15 +134,6 @@ class TokenReadingDecoderLayer(EDSDDecoderLayer):
 
     def attention_input(self, normed: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         return torch.cat([normed, self.token_norm(token_embeds)], -1)
-
-    def forward_with_token(
-        self, positions: torch.Tensor, u: torch.Tensor, token_embeds: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual), as vLLM's decoder layers return them."""
-        attn = self.self_attn(positions=positions, hidden_states=self.attention_input(self.input_layernorm(u),
-                                                                                      token_embeds))
-        hidden, residual = self.post_attention_layernorm(attn, u)
-        return self.mlp(hidden), residual
 
 
 class EDFuse(nn.Module):
@@ -198,9 +203,8 @@ class EDSDLlamaModel(nn.Module):
         self.edfuse = EDFuse(edsd, quant_config, maybe_prefix(prefix, "edfuse"))
         # The attention prefix must not collide with any target layer's.
         layer_prefix = maybe_prefix(prefix, f"layers.{start_layer_id}")
-        layer = (TokenReadingDecoderLayer(get_current_vllm_config(), edsd=edsd, prefix=layer_prefix, config=self.config)
-                 if edsd.attention_reads_token else
-                 EDSDDecoderLayer(get_current_vllm_config(), prefix=layer_prefix, config=self.config))
+        layer_class = TokenReadingDecoderLayer if edsd.attention_reads_token else EDSDDecoderLayer
+        layer = layer_class(get_current_vllm_config(), edsd=edsd, prefix=layer_prefix, config=self.config)
         self.layers = nn.ModuleList([layer])
         self.norm = RMSNorm(edsd.hidden_size, eps=edsd.rms_norm_eps)
         self.dtype = vllm_config.model_config.dtype
@@ -234,12 +238,8 @@ class EDSDLlamaModel(nn.Module):
             input_embeds = self.embed_input_ids(input_ids)
         if self.wide_stream:
             return self.forward_float32_stream(positions, float16_range.load_state(hidden_states), input_embeds)
-        fused = self.edfuse(hidden_states, input_embeds)
-        layer = self.layers[0]
-        if isinstance(layer, TokenReadingDecoderLayer):
-            hidden_states, residual = layer.forward_with_token(positions, fused, input_embeds)
-        else:
-            hidden_states, residual = layer(positions, fused, None)
+        hidden_states, residual = self.layers[0].forward_fused(positions, self.edfuse(hidden_states, input_embeds),
+                                                               input_embeds)
         normed, prenorm = self.norm(hidden_states, residual)
         return normed, prenorm
 
@@ -256,6 +256,7 @@ class EDSDLlamaModel(nn.Module):
             (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
             (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
             self.dtype,
+            layer.norm_before_residual,
         )
         normed = float16_range.rms_norm(prenorm, self.norm.weight, self.norm.variance_epsilon).to(self.dtype)
         return normed, float16_range.store_state(prenorm, self.dtype)
