@@ -49,8 +49,9 @@ if [ "${SET:-recipe}" = eagle31 ]; then
     "eagle3|--norm-before-fc --norm-before-residual --norm-output $BF16"  # EAGLE 3.1, speculators' defaults
     "edsd|$SHIPPED_EDSD --fuse-intermediate-size 576 $BF16"               # EDFuse at the target's width: 1.3 ms
                                                                           # less a decode step (docs/results.md)
-    "edsd|$SHIPPED_EDSD --norm-before-fc --norm-before-residual $BF16"    # EAGLE 3.1's norms of fc's input and
-                                                                          # of the residual (EDSD's own for its output)
+    "edsd|$SHIPPED_EDSD --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual $BF16"
+                                                                          # and EAGLE 3.1's norms of fc's input and of
+                                                                          # the residual (EDSD's own for its output)
     "edsd|$SHIPPED_EDSD --norm-before-fc $BF16"                           # one RMSNorm over [layer a; layer b]
     "eagle3|--fc-norm --norm-before-residual --norm-output $BF16"         # EAGLE 3.1 with the per-layer norm
     "edsd|$SHIPPED_EDSD --fc-norm $BF16"                                  # a norm per target layer before fc
