@@ -52,6 +52,9 @@ if [ "${SET:-recipe}" = eagle31 ]; then
     "edsd|$SHIPPED_EDSD --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual $BF16"
                                                                           # and EAGLE 3.1's norms of fc's input and of
                                                                           # the residual (EDSD's own for its output)
+    "edsd|$SHIPPED_EDSD --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual --no-step-n $BF16"
+                                                                          # the same with every TTT step from the first
+                                                                          # epoch, as EAGLE-3 trains (no Step-n)
     "edsd|$SHIPPED_EDSD --norm-before-fc $BF16"                           # one RMSNorm over [layer a; layer b]
     "eagle3|--fc-norm --norm-before-residual --norm-output $BF16"         # EAGLE 3.1 with the per-layer norm
     "edsd|$SHIPPED_EDSD --fc-norm $BF16"                                  # a norm per target layer before fc
