@@ -66,7 +66,7 @@ elif [ "${SET:-recipe}" = eagle31-10k ]; then
   LAYERS=1,20,29
   $PYTHON -m bench.gpu_runs seed --work "${WORK:-$HOME/.cache/vllm-edsd/learning-curve}"
   ROWS=(
-    "edsd|${EDSD_SWITCHES:---attention-reads-token --feature-norm} --autocast bfloat16"
+    "edsd|${EDSD_SWITCHES:---attention-reads-token --feature-norm --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual} --autocast bfloat16"
     "eagle3|${EAGLE_SWITCHES:---norm-before-fc --norm-before-residual --norm-output} --autocast bfloat16"
   )
 elif [ "${SET:-recipe}" = draft-layer-10k ]; then
