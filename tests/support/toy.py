@@ -223,3 +223,17 @@ def set_draft_vocab(model: DraftHead, used: torch.Tensor | None = None) -> None:
     model.d2t.copy_(used - torch.arange(draft_vocab))
     model.t2d.zero_()
     model.t2d[used] = True
+
+
+def built_by_edsd_train(target_dir: str | Path, **switches) -> DraftHead:
+    """The EDSD drafter ``edsd train`` builds (``training.drafter.build_model``) for a toy target
+    with ``switches`` on: aux layers (1, 3), a draft vocabulary of its first 256 tokens."""
+    from vllm_edsd.launch.transformers_target import load_target
+    from vllm_edsd.training.drafter import build_model
+    from vllm_edsd.training.options import TrainOptions
+
+    raw = target_config(target_dir)
+    d2t, t2d = torch.zeros(256, dtype=torch.long), torch.zeros(raw["vocab_size"], dtype=torch.bool)
+    t2d[:256] = True
+    options = TrainOptions(target=str(target_dir), out="unused", data="unused", **switches)
+    return build_model(options, load_target(target_dir), raw, (1, 3), d2t, t2d)

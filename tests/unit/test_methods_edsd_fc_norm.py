@@ -5,13 +5,12 @@ and checks them, each changes the drafts, both at once are refused as one line."
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.drafters import edited_copy
-from support.toy import make_drafter
+from support.toy import built_by_edsd_train, make_drafter
 
 from vllm_edsd.cli import main
 from vllm_edsd.errors import EDSDError
@@ -105,16 +104,7 @@ def test_a_config_asking_for_both_norms_is_one_line(models, tmp_path):
 
 def test_edsd_train_builds_either_norm(models):
     """``edsd train --norm-before-fc`` / ``--fc-norm`` build EDSD's drafter with the norm."""
-    from vllm_edsd.launch.transformers_target import load_target
-    from vllm_edsd.training.drafter import build_model
-    from vllm_edsd.training.options import TrainOptions
-
-    target = load_target(models["llama"])
-    raw = json.loads((Path(models["llama"]) / "config.json").read_text())
-    d2t, t2d = torch.zeros(256, dtype=torch.long), torch.zeros(raw["vocab_size"], dtype=torch.bool)
-    t2d[:256] = True
     for switch in FC_INPUT_NORMS:
-        options = TrainOptions(target=models["llama"], out="unused", data="unused", **{switch: True})
-        model = build_model(options, target, raw, (1, 3), d2t, t2d)
+        model = built_by_edsd_train(models["llama"], **{switch: True})
         assert getattr(model.config, switch) and set(fc_input_tensors(switch, model.config.target_hidden_size)) <= \
             set(model.state_dict())

@@ -6,10 +6,9 @@ beside 16-bit weights computes the same layer, and ``edsd train`` builds it for 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
-from support.toy import make_drafter
+from support.toy import built_by_edsd_train, make_drafter
 
 import vllm_edsd.methods.edsd.float16_range as float16_range
 from vllm_edsd.cli import main
@@ -71,13 +70,4 @@ def test_the_float32_stream_computes_the_same_layer(models, tmp_path):
 
 def test_edsd_train_builds_it_for_edsd(models):
     """``edsd train --method edsd --norm-before-residual`` builds EDSD's drafter with the switch."""
-    from vllm_edsd.launch.transformers_target import load_target
-    from vllm_edsd.training.drafter import build_model
-    from vllm_edsd.training.options import TrainOptions
-
-    target = load_target(models["llama"])
-    raw = json.loads((Path(models["llama"]) / "config.json").read_text())
-    d2t, t2d = torch.zeros(256, dtype=torch.long), torch.zeros(raw["vocab_size"], dtype=torch.bool)
-    t2d[:256] = True
-    options = TrainOptions(target=models["llama"], out="unused", data="unused", **{SWITCH: True})
-    assert getattr(build_model(options, target, raw, (1, 3), d2t, t2d).config, SWITCH)
+    assert getattr(built_by_edsd_train(models["llama"], **{SWITCH: True}).config, SWITCH)
