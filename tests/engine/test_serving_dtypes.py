@@ -112,7 +112,7 @@ def test_paper_layer_in_float16_from_a_specforge_checkpoint_accepts_as_in_float3
 
 
 # The paper's draft layer in every dtype; in float16 also the one whose attention reads the token
-# and whose fc reads the features normed (norm_before_fc), with and without its residual normed.
+# and whose fc reads the features normed (norm_before_fc), with and without both residual switches.
 # In bfloat16 on an Intel Xeon with AMX this toy's engine died by SIGILL after its warm-up, where
 # the demo pair passed (docs/known-issues.md, "a toy model in bfloat16 died by SIGILL"): only that
 # death is expected, with the Python frames the engine died in as its reason.

@@ -101,7 +101,8 @@ def test_token_reading_drafts_match_reference_model(models, parity_drafters, eng
     """The draft layer whose attention also reads the token, with EDFuse's gate reading the
     normed feature (``attention_reads_token``, ``feature_norm``) and fc reading the target's
     features normed (``fc_norm``: one RMSNorm per aux layer; ``norm_before_fc``: one over both,
-    there with the layer's residual normed too, ``norm_before_residual``, as EAGLE 3.1 has it):
+    there with the layer's residual normed too, ``norm_before_residual``, as EAGLE 3.1 has it, and
+    EDFuse's own residual, ``fuse_residual``):
     vLLM's chains are the reference's, also with the wider q/k/v projection sharded over two
     ranks. At TP=2 the drafts come from vLLM's local argmax reduction
     (``use_local_argmax_reduction``), which calls the EDSD model's ``get_top_tokens``: each

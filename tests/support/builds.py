@@ -86,10 +86,11 @@ def build_parity_drafters(models: dict, root: Path) -> dict:
     convert(llama3, root / "llama3-rope", target=models["llama"])
     drafters["llama3-rope"] = (str(root / "llama3-rope"), str(llama3))
     for fc_input_norm in FC_INPUT_NORMS:  # the token-reading draft layer, fc's input normed either way;
-        reads_token = root / f"reads-token-{fc_input_norm}-training"  # with one norm, the residual normed too
+        reads_token = root / f"reads-token-{fc_input_norm}-training"  # with one norm, both residual switches
+        residuals = fc_input_norm == "norm_before_fc"
         make_drafter(models["llama"], reads_token, draft_vocab_size=256, layout=EDSD_TRAINING, seed=6,
                      attention_reads_token=True, feature_norm=True, **{fc_input_norm: True},
-                     norm_before_residual=fc_input_norm == "norm_before_fc")
+                     norm_before_residual=residuals, fuse_residual=residuals)
         convert(reads_token, root / f"reads-token-{fc_input_norm}", target=models["llama"])
         drafters["reads-token", fc_input_norm] = (str(root / f"reads-token-{fc_input_norm}"), str(reads_token))
     for seed, (name, switches) in enumerate(EAGLE31_DRAFTERS.items(), start=7):
@@ -146,12 +147,13 @@ def build_massive_activation(root: Path) -> dict:
     """The ``massive_activation`` fixture's target and drafters: the paper's draft layer, the
     one whose attention also reads the token and whose fc reads the features normed
     (``norm_before_fc``: normed in float32, where float16 squares the spike past its range), and
-    that one with its residual normed too (``norm_before_residual``: its state then stays in range)."""
+    that one with both residual switches (``norm_before_residual``, and ``fuse_residual``: EDFuse
+    adds the raw fed-back state, float32 in float16's stream, to its output)."""
     target = make_target(root / "target", seed=3, first_token_spike=30000.0)
     make_drafter(target, root / "drafter", draft_vocab_size=256, fusion_gain=5.0)
     reads_token = {"draft_vocab_size": 256, "fusion_gain": 5.0, "attention_reads_token": True, "norm_before_fc": True}
     make_drafter(target, root / "reads-token", **reads_token)
-    make_drafter(target, root / "normed-residual", **reads_token, norm_before_residual=True)
+    make_drafter(target, root / "normed-residual", **reads_token, norm_before_residual=True, fuse_residual=True)
     return {"target": str(target), **{name: str(root / name) for name in ("drafter", "reads-token", "normed-residual")}}
 
 

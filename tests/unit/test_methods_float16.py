@@ -97,13 +97,15 @@ def test_paper_layer_drafts_in_float16_what_it_drafts_in_float32(paper_layer_dra
 
 
 # fc's normed input (the reads-token drafter's norm_before_fc) keeps the first steps in float16's
-# range; the fed-back state, growing tenfold per step, leaves it at the last.
-@pytest.mark.parametrize(("drafter", "beyond_from"), [("drafter", 0), ("reads-token", STEPS - 1)])
+# range; the fed-back state, growing tenfold per step, leaves it at the last; with the residual
+# normed it stays in range, EDFuse's residual (fuse_residual) beside it.
+@pytest.mark.parametrize(("drafter", "beyond_from"), [("drafter", 0), ("reads-token", STEPS - 1),
+                                                      ("normed-residual", STEPS)])
 def test_toy_target_with_a_massive_first_token_activation(massive_activation, drafter, beyond_from):
     """A target whose first token carries 30,000 on one dimension, and a drafter whose
     fed-back state grows per step, the paper's draft layer and the one whose attention also
     reads the token and whose fc reads the features normed (in float32, before float16's
-    scaling): float16 drafts as float32 does."""
+    scaling), and that one with both residual switches: float16 drafts as float32 does."""
     target = load_target(massive_activation["target"])
     embed = target.model.embed_tokens.weight
     drafter = EDSDDraftModel.from_pretrained(massive_activation[drafter], embed_tokens=embed)

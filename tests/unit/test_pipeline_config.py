@@ -231,8 +231,8 @@ def test_edsd_only_keys_reach_edsd_alone(toy, tmp_path):
 
 
 def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
-    """``train.attention_reads_token`` and ``train.feature_norm`` switch EDSD's draft layer away
-    from the paper's, EAGLE 3.1's normed output EAGLE-3's; each method's run is given its own
+    """``train.attention_reads_token``, ``train.feature_norm`` and ``train.fuse_residual`` switch
+    EDSD's draft layer away from the paper's, EAGLE 3.1's normed output EAGLE-3's; each method's run is given its own
     alone. fc's input norm (``train.norm_before_fc``) and the normed residual
     (``train.norm_before_residual``) are both methods': both runs are given them. ``edsd train``
     shows them as flags."""
@@ -240,7 +240,7 @@ def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
 
-    own = {"edsd": ("attention_reads_token", "feature_norm"), "eagle3": ("norm_output",)}
+    own = {"edsd": ("attention_reads_token", "feature_norm", "fuse_residual"), "eagle3": ("norm_output",)}
     shared = ("norm_before_fc", "norm_before_residual")
     train = {name: True for names in (*own.values(), shared) for name in names}
     plan = Plan(load_config(toy_config(toy, tmp_path / "work", train=train)))

@@ -139,6 +139,7 @@ class Train:
     token_norm: str | None = field(default=None, metadata={CHOICES: TOKEN_NORMS})
     attention_reads_token: bool | None = None  # the draft layer also reads the token (not the paper's)
     feature_norm: bool | None = None  # EDFuse's gate reads the normed feature (not the paper's)
+    fuse_residual: bool | None = None  # EDFuse adds its feature input to its output (not the paper's)
     # EAGLE 3.1's norms for both methods' runs: fc's input (norm_before_fc or fc_norm, not both), the residual
     norm_before_fc: bool | None = None  # one RMSNorm over fc's whole input
     fc_norm: bool | None = None  # one RMSNorm per target layer before fc

@@ -112,6 +112,10 @@ def add_draft_layer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-norm", action="store_true",
                         help="EDFuse's gate reads the normed feature, so the fed-back state stays bounded (not the "
                              "paper's design; docs/paper.md)")
+    parser.add_argument("--fuse-residual", action="store_true",
+                        help="EDFuse adds its feature input (normed with --feature-norm) to its output, so the "
+                             "fed-back state reaches the draft layer past the gate, as EAGLE's does (not the "
+                             "paper's design; docs/paper.md)")
     eagle31_norms = parser.add_argument_group(
         "EAGLE 3.1's norms (either method)",
         "the target features reach fc unnormalised and the draft layer's residual is its raw input by default "

@@ -28,6 +28,7 @@ class TrainOptions(SampleOptions):
     token_norm: str = RMSNORM  # EDFuse's norm of the token embedding
     attention_reads_token: bool = False  # EDSD's q/k/v also read the token (edsd_config's switch)
     feature_norm: bool = False  # EDFuse's gate reads the normed feature (edsd_config's switch)
+    fuse_residual: bool = False  # EDFuse adds its feature input to its output (edsd_config's switch)
     norm_before_fc: bool = False  # EAGLE 3.1's, either method: one RMSNorm over fc's whole input
     fc_norm: bool = False  # EAGLE 3.1's, either method: one RMSNorm per target layer before fc
     norm_before_residual: bool = False  # EAGLE 3.1's, either method: the residual is the normed input

@@ -35,7 +35,7 @@ TOKEN_NORMS = (RMSNORM, LAYERNORM)
 # A config written before the field existed had the LayerNorm.
 LEGACY_TOKEN_NORM = LAYERNORM
 # The draft layer's changes beyond the paper; fc's input norms are EAGLE 3.1's, under its names.
-SWITCHES = ("attention_reads_token", "feature_norm", "norm_before_residual", *FC_INPUT_NORMS)
+SWITCHES = ("attention_reads_token", "feature_norm", "fuse_residual", "norm_before_residual", *FC_INPUT_NORMS)
 # Why a token-reading drafter is never folded (edsd convert and the config check say it alike).
 FOLD_CONFLICT = ("this drafter's attention also reads the token through its own norm of the raw embedding "
                  "(edsd_config.attention_reads_token), which a folded table would change")
@@ -178,6 +178,9 @@ class EDSDConfig(DraftConfig):
                                         null_absent=False, check=flag)
     feature_norm: bool = entry("EDFuse's gate reads RMSNorm(g): the fed-back state stays bounded", default=False,
                                block=True, null_absent=False, check=flag)
+    fuse_residual: bool = entry("EDFuse adds its feature input to its output, u = g + EDFuse(g, e) (g normed "
+                                "first with feature_norm): the fed-back state reaches the draft layer past the "
+                                "gate", default=False, block=True, null_absent=False, check=flag)
     norm_before_residual: bool = entry("the draft layer's residual is input_layernorm(u), the stream its attention "
                                        "reads, not u (EAGLE 3.1's name)", default=False, block=True,
                                        null_absent=False, check=flag)

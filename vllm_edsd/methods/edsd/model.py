@@ -87,7 +87,8 @@ def token_norm(cfg: EDSDConfig) -> nn.Module:
 class EDFuse(nn.Module):
     """``down(silu(gate(g)) * up(norm(e)))``: gated fusion of feature and token streams.
     A folded drafter's embedding table already holds ``norm(e)``. With ``feature_norm`` the
-    gate reads ``RMSNorm(g)``: the fed-back state then stays bounded from step to step."""
+    gate reads ``RMSNorm(g)``: the fed-back state then stays bounded from step to step. With
+    ``fuse_residual`` that ``g`` is added to the output: the state passes the gate unchanged."""
 
     def __init__(self, cfg: EDSDConfig) -> None:
         super().__init__()
@@ -97,6 +98,7 @@ class EDFuse(nn.Module):
         self.down_proj = nn.Linear(m, d, bias=False)
         self.token_norm = None if cfg.token_norm_folded else token_norm(cfg)
         self.feature_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.feature_norm else None
+        self.fuse_residual = cfg.fuse_residual
 
     def forward(self, g: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         e = token_embeds if self.token_norm is None else self.token_norm(token_embeds)
@@ -104,8 +106,10 @@ class EDFuse(nn.Module):
             g = self.feature_norm(g)
         dtype = self.gate_proj.weight.dtype
         if g.dtype != dtype:  # a float32 feature beside float16 weights (float16_range.py)
-            return float16_range.fuse(g, e, self.gate_proj, self.up_proj, self.down_proj, dtype)
-        return self.down_proj(F.silu(self.gate_proj(g)) * self.up_proj(e))
+            fused = float16_range.fuse(g, e, self.gate_proj, self.up_proj, self.down_proj, dtype)
+        else:
+            fused = self.down_proj(F.silu(self.gate_proj(g)) * self.up_proj(e))
+        return g + fused if self.fuse_residual else fused
 
 
 def expected_shapes(cfg: EDSDConfig) -> dict[str, tuple[int, ...]]:

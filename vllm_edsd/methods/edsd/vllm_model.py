@@ -137,9 +137,10 @@ class TokenReadingDecoderLayer(EDSDDecoderLayer):
 
 
 class EDFuse(nn.Module):
-    """``down(silu(gate(g)) * up(norm(e)))``; gate/up column-parallel, down row-parallel. The
-    down projection's partial sums are reduced here, after a float32 stream's rescaling
-    (``float16_range.fuse`` scales each rank's shard by its own power of two)."""
+    """``down(silu(gate(g)) * up(norm(e)))``, plus ``g`` with ``fuse_residual``; gate/up
+    column-parallel, down row-parallel. The down projection's partial sums are reduced here,
+    after a float32 stream's rescaling (``float16_range.fuse`` scales each rank's shard by its
+    own power of two), and before ``g``, which every rank holds whole, is added."""
 
     def __init__(self, edsd: EDSDConfig, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -156,6 +157,7 @@ class EDFuse(nn.Module):
         )
         self.tp_size = get_tensor_model_parallel_world_size()
         self.feature_norm = RMSNorm(d, eps=edsd.rms_norm_eps) if edsd.feature_norm else None
+        self.fuse_residual = edsd.fuse_residual
         self.token_norm = None
         if not edsd.token_norm_folded:
             norm = nn.LayerNorm if edsd.token_norm == LAYERNORM else RMSNorm
@@ -173,7 +175,8 @@ class EDFuse(nn.Module):
             fused = float16_range.fuse(
                 features, token_embeds, self.feature_gate, self.token_up, self.fuse_down, token_embeds.dtype
             )
-        return tensor_model_parallel_all_reduce(fused) if self.tp_size > 1 else fused
+        fused = tensor_model_parallel_all_reduce(fused) if self.tp_size > 1 else fused
+        return features + fused if self.fuse_residual else fused
 
 
 @support_torch_compile(
