@@ -99,6 +99,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**defaults(TrainOptions))
 
 
+# The on/off switches of the draft layers, by group: (title, what the group is, {flag: what it does}).
+# The first group's title is None: EDSD's own, among the main arguments.
+DRAFT_LAYER_SWITCHES = (
+    (None, None, {
+        "--attention-reads-token": "EDSD's draft layer reads [norm(u); norm(e)]: the token beside the fused stream, "
+                                   "as EAGLE-3's attention does (not the paper's design; docs/paper.md)",
+        "--feature-norm": "EDFuse's gate reads the normed feature, so the fed-back state stays bounded (not the "
+                          "paper's design; docs/paper.md)",
+        "--fuse-residual": "EDFuse adds its feature input (normed with --feature-norm) to its output, so the "
+                           "fed-back state reaches the draft layer past the gate, as EAGLE's does (not the "
+                           "paper's design; docs/paper.md)",
+    }),
+    ("EAGLE 3.1's norms (either method)",
+     "the target features reach fc unnormalised and the draft layer's residual is its raw input by default "
+     "(the paper's EDSD, EAGLE-3 as first published); these norm them, as vLLM's eagle3 does", {
+         "--norm-before-fc": "one RMSNorm over the target layers' features together, before fc "
+                             "(config.json: norm_before_fc, EDSD's in edsd_config; not with --fc-norm)",
+         "--fc-norm": "one RMSNorm per target layer, before fc: the per-layer alternative to --norm-before-fc "
+                      "(config.json: fc_norm)",
+         "--norm-before-residual": "the draft layer's residual is its normed input (EAGLE-3: hidden_norm(h); "
+                                   "EDSD: input_layernorm(u)) rather than the raw one (config.json: "
+                                   "norm_before_residual)",
+     }),
+    ("EAGLE 3.1's fed-back state (--method eagle3 only)",
+     "speculators trains EAGLE 3.1 with --norm-before-fc --norm-before-residual --norm-output by default, "
+     "and vLLM's own eagle3 serves it; off: EAGLE-3 as first published", {
+         "--norm-output": "feed the next draft step the final norm's output rather than its input, so the "
+                          "fed-back state stays bounded (config.json: norm_output)",
+     }),
+)
+
+
 def add_draft_layer_arguments(parser: argparse.ArgumentParser) -> None:
     """The switches of each method's draft layer (``Method.switches``): EDSD's beyond the paper,
     EAGLE 3.1's norms of fc's input and of the residual for both methods, its normed fed-back
@@ -106,37 +138,10 @@ def add_draft_layer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-norm", choices=TOKEN_NORMS,
                         help="EDFuse's norm of the token embedding: rmsnorm (SpecForge's, default) or layernorm "
                              "(with bias, as the paper's prose describes)")
-    parser.add_argument("--attention-reads-token", action="store_true",
-                        help="EDSD's draft layer reads [norm(u); norm(e)]: the token beside the fused stream, as "
-                             "EAGLE-3's attention does (not the paper's design; docs/paper.md)")
-    parser.add_argument("--feature-norm", action="store_true",
-                        help="EDFuse's gate reads the normed feature, so the fed-back state stays bounded (not the "
-                             "paper's design; docs/paper.md)")
-    parser.add_argument("--fuse-residual", action="store_true",
-                        help="EDFuse adds its feature input (normed with --feature-norm) to its output, so the "
-                             "fed-back state reaches the draft layer past the gate, as EAGLE's does (not the "
-                             "paper's design; docs/paper.md)")
-    eagle31_norms = parser.add_argument_group(
-        "EAGLE 3.1's norms (either method)",
-        "the target features reach fc unnormalised and the draft layer's residual is its raw input by default "
-        "(the paper's EDSD, EAGLE-3 as first published); these norm them, as vLLM's eagle3 does")
-    eagle31_norms.add_argument("--norm-before-fc", action="store_true",
-                               help="one RMSNorm over the target layers' features together, before fc "
-                                    "(config.json: norm_before_fc, EDSD's in edsd_config; not with --fc-norm)")
-    eagle31_norms.add_argument("--fc-norm", action="store_true",
-                               help="one RMSNorm per target layer, before fc: the per-layer alternative to "
-                                    "--norm-before-fc (config.json: fc_norm)")
-    eagle31_norms.add_argument("--norm-before-residual", action="store_true",
-                               help="the draft layer's residual is its normed input (EAGLE-3: hidden_norm(h); "
-                                    "EDSD: input_layernorm(u)) rather than the raw one (config.json: "
-                                    "norm_before_residual)")
-    eagle31 = parser.add_argument_group(
-        "EAGLE 3.1's fed-back state (--method eagle3 only)",
-        "speculators trains EAGLE 3.1 with --norm-before-fc --norm-before-residual --norm-output by default, "
-        "and vLLM's own eagle3 serves it; off: EAGLE-3 as first published")
-    eagle31.add_argument("--norm-output", action="store_true",
-                         help="feed the next draft step the final norm's output rather than its input, so the "
-                              "fed-back state stays bounded (config.json: norm_output)")
+    for title, description, switches in DRAFT_LAYER_SWITCHES:
+        group = parser if title is None else parser.add_argument_group(title, description)
+        for flag, what in switches.items():
+            group.add_argument(flag, action="store_true", help=what)
 
 
 def options(args: argparse.Namespace) -> TrainOptions:
