@@ -55,6 +55,9 @@ if [ "${SET:-recipe}" = eagle31 ]; then
     "edsd|$SHIPPED_EDSD --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual --no-step-n $BF16"
                                                                           # the same with every TTT step from the first
                                                                           # epoch, as EAGLE-3 trains (no Step-n)
+    "edsd|$SHIPPED_EDSD --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual --fuse-residual $BF16"
+                                                                          # and EDFuse's residual: the fed-back state
+                                                                          # passes the gate, as EAGLE's reaches its layer
     "edsd|$SHIPPED_EDSD --norm-before-fc $BF16"                           # one RMSNorm over [layer a; layer b]
     "eagle3|--fc-norm --norm-before-residual --norm-output $BF16"         # EAGLE 3.1 with the per-layer norm
     "edsd|$SHIPPED_EDSD --fc-norm $BF16"                                  # a norm per target layer before fc
@@ -66,7 +69,7 @@ elif [ "${SET:-recipe}" = eagle31-10k ]; then
   LAYERS=1,20,29
   $PYTHON -m bench.gpu_runs seed --work "${WORK:-$HOME/.cache/vllm-edsd/learning-curve}"
   ROWS=(
-    "edsd|${EDSD_SWITCHES:---attention-reads-token --feature-norm --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual} --autocast bfloat16"
+    "edsd|${EDSD_SWITCHES:---attention-reads-token --feature-norm --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual --fuse-residual} --autocast bfloat16"
     "eagle3|${EAGLE_SWITCHES:---norm-before-fc --norm-before-residual --norm-output} --autocast bfloat16"
   )
 elif [ "${SET:-recipe}" = draft-layer-10k ]; then
