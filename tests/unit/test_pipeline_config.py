@@ -337,7 +337,9 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
 
 def test_a_finished_run_is_what_its_recipe_trains_and_another_recipe_is_named(toy, finished):
     """What ``edsd build-demo --ship-from`` checks of a run trained elsewhere: the pipeline's own
-    runs are what their options train; a changed optimizer, aux layers or draft layer is named."""
+    runs are what their options train; a changed optimizer, aux layers, draft layer or width is
+    named (EDFuse's, unset, is the target's FFN)."""
+    from vllm_edsd.methods.edsd.layouts import read_edsd_config
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
     from vllm_edsd.training.provenance import differences
@@ -345,10 +347,13 @@ def test_a_finished_run_is_what_its_recipe_trains_and_another_recipe_is_named(to
     plan = Plan(load_config(toy_config(toy, finished)))
     for method in ("edsd", "eagle3"):
         assert differences(finished / method, plan.train_options(method)) == []
-    other = dataclasses.replace(plan.train_options("edsd"), lr=0.5, layers=(1, 2), feature_norm=True)
+    other = dataclasses.replace(plan.train_options("edsd"), lr=0.5, layers=(1, 2), feature_norm=True,
+                                fuse_intermediate_size=24)
+    width = read_edsd_config(finished / "edsd" / "final")[1]
     assert differences(finished / "edsd", other) == [
         f"lr {TRAINING['lr']!r} (the recipe's: 0.5)", "aux layers [1, 3] (the recipe's: [1, 2])",
-        "feature_norm False (the recipe's: True)"]
+        "feature_norm False (the recipe's: True)",
+        f"fuse_intermediate_size {width.fuse_intermediate_size} (the recipe's: 24)"]
     longer = dataclasses.replace(plan.train_options("eagle3"), epochs=TRAINING["epochs"] + 1)
     assert differences(finished / "eagle3", longer) == [f"epochs {TRAINING['epochs']} (the recipe's: 6)"]
 

@@ -137,6 +137,7 @@ class Train:
     autocast: str | None = field(default=None, metadata={CHOICES: AUTOCAST_DTYPES})  # the loss's forward in bfloat16
     # EDSD's architecture (EAGLE-3 has no such part: its runs leave these out)
     token_norm: str | None = field(default=None, metadata={CHOICES: TOKEN_NORMS})
+    fuse_intermediate_size: int | None = count()  # EDFuse's width (default: the target's FFN)
     attention_reads_token: bool | None = None  # the draft layer also reads the token (not the paper's)
     feature_norm: bool | None = None  # EDFuse's gate reads the normed feature (not the paper's)
     fuse_residual: bool | None = None  # EDFuse adds its feature input to its output (not the paper's)

@@ -64,13 +64,19 @@ def draft_switches(options: TrainOptions) -> dict[str, bool]:
     return switches
 
 
+def draft_config(options: TrainOptions, cfg_raw: dict, layers: tuple[int, ...], draft_vocab: int) -> EDSDConfig:
+    """The sizes and norms of the drafter ``options`` train for a target of config ``cfg_raw``
+    (both methods build from it; the widths left unset are the target's)."""
+    return EDSDConfig.for_target(cfg_raw, layers[:2], draft_vocab_size=draft_vocab,
+                                 fuse_intermediate_size=options.fuse_intermediate_size,
+                                 intermediate_size=options.intermediate_size, token_norm=options.token_norm,
+                                 source=f"{options.target}/config.json")
+
+
 def build_model(options: TrainOptions, target_model, cfg_raw: dict, layers: tuple[int, ...], d2t, t2d):
     """The drafter, initialised from the target where shapes allow (same for both methods)."""
     draft_vocab = len(d2t)
-    cfg = EDSDConfig.for_target(cfg_raw, layers[:2], draft_vocab_size=draft_vocab,
-                                fuse_intermediate_size=options.fuse_intermediate_size,
-                                intermediate_size=options.intermediate_size, token_norm=options.token_norm,
-                                source=f"{options.target}/config.json")
+    cfg = draft_config(options, cfg_raw, layers, draft_vocab)
     torch.manual_seed(options.seed)
     model = method(options.method).model.build(cfg, layers, **draft_switches(options))
     with torch.no_grad():

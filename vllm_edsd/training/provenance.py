@@ -8,13 +8,15 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from vllm_edsd.checkpoint.target import decoder_layers
+from vllm_edsd.checkpoint.target import decoder_layers, read_config_json
 from vllm_edsd.methods import method
 
 from .checkpointing import STATE_FILE, read_state, saved_recipe
-from .drafter import resolve_layers
+from .drafter import draft_config, resolve_layers
 from .options import TrainOptions
 from .recipe import Recipe
+
+WIDTHS = ("intermediate_size", "fuse_intermediate_size")  # the draft layer's FFN, EDFuse's (EDSD's alone)
 
 
 def differences(run: Path, options: TrainOptions) -> list[str]:
@@ -33,7 +35,11 @@ def differences(run: Path, options: TrainOptions) -> list[str]:
         found.append(f"aux layers {list(model.aux_layer_ids)} (the recipe's: {list(layers)})")
     if options.draft_vocab_size is not None and model.config.draft_vocab_size != options.draft_vocab_size:
         found.append(f"draft vocabulary {model.config.draft_vocab_size} (the recipe's: {options.draft_vocab_size})")
-    for name in drafting.own_train_fields:
+    for name in (name for name in drafting.own_train_fields if name not in WIDTHS):
         if getattr(model.config, name) != getattr(options, name):
             found.append(f"{name} {getattr(model.config, name)!r} (the recipe's: {getattr(options, name)!r})")
+    built = draft_config(options, read_config_json(options.target), layers, model.config.draft_vocab_size)
+    for name in WIDTHS:  # the recipe's, or the target's where it sets none
+        if hasattr(model.config, name) and getattr(model.config, name) != getattr(built, name):
+            found.append(f"{name} {getattr(model.config, name)!r} (the recipe's: {getattr(built, name)!r})")
     return found
