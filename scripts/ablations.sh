@@ -58,6 +58,7 @@ if [ "${SET:-recipe}" = eagle31 ]; then
     "edsd|$SHIPPED_EDSD --fuse-intermediate-size 576 --norm-before-fc --norm-before-residual --fuse-residual $BF16"
                                                                           # and EDFuse's residual: the fed-back state
                                                                           # passes the gate, as EAGLE's reaches its layer
+    "edsd|$SHIPPED_EDSD --fuse-residual $BF16"                            # EDFuse's residual alone on EDSD as shipped
     "edsd|$SHIPPED_EDSD --norm-before-fc $BF16"                           # one RMSNorm over [layer a; layer b]
     "eagle3|--fc-norm --norm-before-residual --norm-output $BF16"         # EAGLE 3.1 with the per-layer norm
     "edsd|$SHIPPED_EDSD --fc-norm $BF16"                                  # a norm per target layer before fc
