@@ -235,7 +235,7 @@ def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
     EDSD's draft layer away from the paper's, EAGLE 3.1's normed output EAGLE-3's; each method's run is given its own
     alone. fc's input norm (``train.norm_before_fc``) and the normed residual
     (``train.norm_before_residual``) are both methods': both runs are given them. ``edsd train``
-    shows them as flags."""
+    shows them as flags. EDFuse's width (``train.fuse_intermediate_size``) is EDSD's alone too."""
     from vllm_edsd.command import command_line
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
@@ -243,7 +243,9 @@ def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
     own = {"edsd": ("attention_reads_token", "feature_norm", "fuse_residual"), "eagle3": ("norm_output",)}
     shared = ("norm_before_fc", "norm_before_residual")
     train = {name: True for names in (*own.values(), shared) for name in names}
-    plan = Plan(load_config(toy_config(toy, tmp_path / "work", train=train)))
+    plan = Plan(load_config(toy_config(toy, tmp_path / "work", train={**train, "fuse_intermediate_size": 24})))
+    assert plan.train_options("edsd").fuse_intermediate_size == 24  # EDFuse's width: EDSD's alone
+    assert plan.train_options("eagle3").fuse_intermediate_size is None
     for method, names in own.items():
         options, other = plan.train_options(method), plan.train_options("eagle3" if method == "edsd" else "edsd")
         assert all(getattr(options, name) and not getattr(other, name) for name in names)
