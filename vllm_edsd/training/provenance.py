@@ -35,11 +35,9 @@ def differences(run: Path, options: TrainOptions) -> list[str]:
         found.append(f"aux layers {list(model.aux_layer_ids)} (the recipe's: {list(layers)})")
     if options.draft_vocab_size is not None and model.config.draft_vocab_size != options.draft_vocab_size:
         found.append(f"draft vocabulary {model.config.draft_vocab_size} (the recipe's: {options.draft_vocab_size})")
-    for name in (name for name in drafting.own_train_fields if name not in WIDTHS):
-        if getattr(model.config, name) != getattr(options, name):
-            found.append(f"{name} {getattr(model.config, name)!r} (the recipe's: {getattr(options, name)!r})")
     built = draft_config(options, read_config_json(options.target), layers, model.config.draft_vocab_size)
-    for name in WIDTHS:  # the recipe's, or the target's where it sets none
-        if hasattr(model.config, name) and getattr(model.config, name) != getattr(built, name):
-            found.append(f"{name} {getattr(model.config, name)!r} (the recipe's: {getattr(built, name)!r})")
-    return found
+    wanted = {name: getattr(options, name) for name in drafting.own_train_fields if name not in WIDTHS}
+    # the widths: the recipe's, or the target's where it sets none
+    wanted |= {name: getattr(built, name) for name in WIDTHS if hasattr(model.config, name)}
+    return found + [f"{name} {getattr(model.config, name)!r} (the recipe's: {value!r})"
+                    for name, value in wanted.items() if getattr(model.config, name) != value]
