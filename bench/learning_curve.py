@@ -9,8 +9,9 @@ but the results lives under ``--work`` (default ``~/.cache/vllm-edsd/learning-cu
    excluded) answered by the target through vLLM, in resumable chunks;
 2. EDSelect's layers for EDSD (the pipeline's select stage, ``vllm_edsd.pipeline.stages``);
 3. for every size N and method: ``edsd train`` on the first N conversations with the demo
-   recipe, EDSD with the paper's draft layer (the recipe's switches of it off, so every point
-   and ablation keeps its meaning: ``--train-extra`` turns them on); both methods and every size
+   recipe's data, optimizer and budget, in float32, EDSD with the paper's draft layer and EAGLE-3
+   without EAGLE 3.1's norms (the recipe's architecture switches off, so every point and
+   ablation keeps its meaning: ``--train-extra`` turns them on); both methods and every size
    read one feature cache (shards named by content);
 4. τ of each drafter served by vLLM (K, greedy, ignore EOS, float32) on the bench's held-out
    prompts (five categories), batched, and on as many prompts it trained on (the gap between
@@ -44,10 +45,12 @@ SAVE_EVERY = 100  # batches: on a CPU an epoch of the largest point takes about 
 
 def demo_plan(args: argparse.Namespace, largest: int):
     """``edsd build-demo``'s recipe (its pipeline config) with enough prompts for the largest
-    size, EDSD's draft layer the paper's."""
+    size, without the recipe's architecture and precision: each method's switches off, EDFuse
+    at the target's FFN width, float32. A run is named by its ``--train-extra`` alone, so the
+    base it adds to must not move when the shipped recipe does."""
     from vllm_edsd.demo import build
     from vllm_edsd.demo.target import demo_target
-    from vllm_edsd.methods.edsd.config import SWITCHES
+    from vllm_edsd.methods import METHODS as REGISTERED
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
 
@@ -60,7 +63,8 @@ def demo_plan(args: argparse.Namespace, largest: int):
     flags = parser.parse_args(["--work", args.work, "--device", args.device,
                                "--chat-prompts", str(chat), "--code-prompts", str(code)])
     overrides = build.demo_overrides(flags, demo_target())
-    overrides["train"].update(dict.fromkeys(SWITCHES, False))
+    overrides["train"].update({name: False for m in REGISTERED.values() for name in m.switches})
+    overrides["train"].update(fuse_intermediate_size=None, autocast=None)
     return Plan(load_config(build.PIPELINE, overrides))
 
 

@@ -4,6 +4,7 @@ says of its replies' length."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -258,6 +259,22 @@ def test_bad_request_rate_is_refused_before_any_engine(tmp_path):
                            "--edsd", "E", "--qps", "1,0"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--qps takes comma-separated floats, each above 0; got '0'" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_the_learning_curves_base_is_the_recipe_without_its_architecture(tmp_path):
+    """A learning-curve run is named by its ``--train-extra`` alone, so its base is the demo
+    recipe's data and optimizer with none of the shipped drafters' switches, EDFuse at the
+    target's FFN width, in float32, whatever ``pipeline.toml`` ships."""
+    from bench.learning_curve import demo_plan
+
+    base = demo_plan(argparse.Namespace(work=str(tmp_path), device="cpu", chat_prompts=8, code_prompts=0), 8)
+    for method in ("edsd", "eagle3"):
+        plain = base.train_options(method)
+        assert (plain.autocast, plain.fuse_intermediate_size) == (None, None)
+        assert not any((plain.attention_reads_token, plain.feature_norm, plain.fuse_residual, plain.norm_before_fc,
+                        plain.norm_before_residual, plain.norm_output))
+        assert (plain.lr, plain.lr_schedule, plain.weight_decay, plain.epochs) == (0.001, "cosine", 0, 3)
+    assert base.train_options("edsd").token_norm == "layernorm"
 
 
 def test_an_ablation_that_names_its_layers_replaces_edselects():

@@ -310,9 +310,10 @@ def write_example(tmp_path: Path, text: str) -> Path:
 
 def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     """``pipeline.toml`` and build-demo's flags give the demo drafters' training arguments: the
-    recipe of docs/paper.md's ablations with both changes of EDSD's draft layer, all 10,043
-    conversations, saved every 100 batches, the epochs from the flag; EAGLE-3 gets the same
-    optimizer and none of EDSD's architecture."""
+    recipe of docs/paper.md's ablations with EDSD's draft layer as shipped (the token read, the
+    normed fed-back state, EDFuse's residual at width 576) and EAGLE 3.1's norms, all 10,043
+    conversations in bfloat16 autocast, saved every 100 batches, the epochs from the flag; EAGLE
+    gets the same optimizer, its own norms and none of EDSD's architecture."""
     from vllm_edsd.demo import DEMO_PROMPTS, build
     from vllm_edsd.pipeline.config import load_config
     from vllm_edsd.pipeline.stages import Plan
@@ -326,12 +327,15 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     assert plan.train_options("edsd") == TrainOptions(
         target=str(toy["target"]), out=str(tmp_path / "edsd"), method="edsd", layers_from=str(tmp_path / "layers.json"),
         data=data, epochs=2, ttt_steps=4, lr=0.001, lr_schedule="cosine", weight_decay=0, token_norm="layernorm",
-        attention_reads_token=True, feature_norm=True, draft_vocab_size=4096, max_length=448, batch_size=8, seed=0,
-        device="cpu", save_every=100, cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
+        attention_reads_token=True, feature_norm=True, fuse_residual=True, fuse_intermediate_size=576,
+        norm_before_fc=True, norm_before_residual=True, autocast="bfloat16", draft_vocab_size=4096, max_length=448,
+        batch_size=8, seed=0, device="cpu", save_every=100, cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
     eagle3 = plan.train_options("eagle3")
     assert eagle3.layers_from is None and eagle3.token_norm == TrainOptions.token_norm
-    assert not eagle3.attention_reads_token and not eagle3.feature_norm
-    assert eagle3.lr_schedule == "cosine" and eagle3.weight_decay == 0
+    assert not eagle3.attention_reads_token and not eagle3.feature_norm and not eagle3.fuse_residual
+    assert eagle3.fuse_intermediate_size is None
+    assert eagle3.norm_before_fc and eagle3.norm_before_residual and eagle3.norm_output
+    assert (eagle3.lr_schedule, eagle3.weight_decay, eagle3.autocast) == ("cosine", 0, "bfloat16")
     assert plan.cfg.data.exclude == [prompt for _, prompt in DEMO_PROMPTS]
     convert = plan.convert_options()
     assert (convert.verifier, convert.dtype, convert.force) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "float16", True)

@@ -288,11 +288,15 @@ def check_meaning(where: Path, cfg: Config) -> None:
 
 def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
     """The checked config of ``path``, ``overrides`` (section -> key -> value) over its values,
-    its relative paths made absolute from the file's directory."""
+    its relative paths made absolute from the file's directory. An override of None (which TOML
+    cannot write) takes the key out: the field's default."""
     path = Path(path)
     raw = read_toml(path)
     for section, values in (overrides or {}).items():
-        raw.setdefault(section, {}).update(values)
+        table = raw.setdefault(section, {})
+        table.update(values)
+        for key in [key for key, value in values.items() if value is None]:
+            del table[key]
     sections = typing.get_type_hints(Config)
     unknown = sorted(set(raw) - set(sections))
     if unknown:
