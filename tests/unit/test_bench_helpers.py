@@ -272,7 +272,7 @@ def test_the_learning_curves_base_is_the_recipe_without_its_architecture(tmp_pat
         plain = base.train_options(method)
         assert (plain.autocast, plain.fuse_intermediate_size) == (None, None)
         assert not any((plain.attention_reads_token, plain.feature_norm, plain.fuse_residual, plain.norm_before_fc,
-                        plain.norm_before_residual, plain.norm_output))
+                        plain.fc_norm, plain.norm_before_residual, plain.norm_output))
         assert (plain.lr, plain.lr_schedule, plain.weight_decay, plain.epochs) == (0.001, "cosine", 0, 3)
     assert base.train_options("edsd").token_norm == "layernorm"
 

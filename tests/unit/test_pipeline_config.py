@@ -328,13 +328,13 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
         target=str(toy["target"]), out=str(tmp_path / "edsd"), method="edsd", layers_from=str(tmp_path / "layers.json"),
         data=data, epochs=2, ttt_steps=4, lr=0.001, lr_schedule="cosine", weight_decay=0, token_norm="layernorm",
         attention_reads_token=True, feature_norm=True, fuse_residual=True, fuse_intermediate_size=576,
-        norm_before_fc=True, norm_before_residual=True, autocast="bfloat16", draft_vocab_size=4096, max_length=448,
+        fc_norm=True, norm_before_residual=True, autocast="bfloat16", draft_vocab_size=4096, max_length=448,
         batch_size=8, seed=0, device="cpu", save_every=100, cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
     eagle3 = plan.train_options("eagle3")
     assert eagle3.layers_from is None and eagle3.token_norm == TrainOptions.token_norm
     assert not eagle3.attention_reads_token and not eagle3.feature_norm and not eagle3.fuse_residual
     assert eagle3.fuse_intermediate_size is None
-    assert eagle3.norm_before_fc and eagle3.norm_before_residual and eagle3.norm_output
+    assert eagle3.fc_norm and eagle3.norm_before_residual and eagle3.norm_output and not eagle3.norm_before_fc
     assert (eagle3.lr_schedule, eagle3.weight_decay, eagle3.autocast) == ("cosine", 0, "bfloat16")
     assert plan.cfg.data.exclude == [prompt for _, prompt in DEMO_PROMPTS]
     convert = plan.convert_options()
