@@ -46,7 +46,7 @@ SAVE_EVERY = 100  # batches: on a CPU an epoch of the largest point takes about 
 def demo_plan(args: argparse.Namespace, largest: int):
     """``edsd build-demo``'s recipe (its pipeline config) with enough prompts for the largest
     size, without the recipe's architecture and precision: each method's switches off, EDFuse
-    at the target's FFN width, float32. A run is named by its ``--train-extra`` alone, so the
+    at the target's FFN width, float32, no method's own table. A run is named by its ``--train-extra`` alone, so the
     base it adds to must not move when the shipped recipe does."""
     from vllm_edsd.demo import build
     from vllm_edsd.demo.target import demo_target
@@ -64,7 +64,7 @@ def demo_plan(args: argparse.Namespace, largest: int):
                                "--chat-prompts", str(chat), "--code-prompts", str(code)])
     overrides = build.demo_overrides(flags, demo_target())
     overrides["train"].update({name: False for m in REGISTERED.values() for name in m.switches})
-    overrides["train"].update(fuse_intermediate_size=None, autocast=None)
+    overrides["train"].update(fuse_intermediate_size=None, autocast=None, **dict.fromkeys(REGISTERED))
     return Plan(load_config(build.PIPELINE, overrides))
 
 

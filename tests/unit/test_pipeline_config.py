@@ -68,6 +68,8 @@ def finished(toy, tmp_path_factory) -> Path:
 
 
 def toml_value(value) -> str:
+    if isinstance(value, dict):  # an inline table
+        return "{" + ", ".join(f"{key} = {toml_value(v)}" for key, v in value.items()) + "}"
     return json.dumps(value)  # strings, numbers, booleans and lists of them read the same in TOML
 
 
@@ -253,6 +255,19 @@ def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
         assert {f"--{name.replace('_', '-')}" for name in (*names, *shared)} <= set(command_line("train", options))
 
 
+def test_a_method_table_sets_that_method_alone(toy, tmp_path):
+    """``[train.eagle3]`` gives EAGLE's run its own values of ``[train]``'s keys (a norm, the
+    learning rate) over the shared ones; EDSD's run keeps ``[train]``'s."""
+    from vllm_edsd.pipeline.config import load_config
+    from vllm_edsd.pipeline.stages import Plan
+
+    own = {"fc_norm": True, "norm_before_fc": False, "lr": 5e-4}
+    plan = Plan(load_config(toy_config(toy, tmp_path / "work", train={"norm_before_fc": True, "eagle3": own})))
+    edsd, eagle3 = plan.train_options("edsd"), plan.train_options("eagle3")
+    assert (eagle3.fc_norm, eagle3.norm_before_fc, eagle3.lr) == (True, False, 5e-4)
+    assert (edsd.fc_norm, edsd.norm_before_fc, edsd.lr) == (TrainOptions.fc_norm, True, TRAINING["lr"])
+
+
 @pytest.mark.parametrize("change, message", [
     ({"train": {"epoch": 3}}, "unknown key train.epoch"),
     ({"train": {"epochs": "3"}}, "train.epochs must be an integer, got '3'"),
@@ -269,6 +284,12 @@ def test_the_draft_layer_switches_reach_their_method_alone(toy, tmp_path):
     ({"target": {"path": "nowhere"}}, "target.path: "),
     ({"train": {"token_norm": "batchnorm"}}, "train.token_norm must be one of ['rmsnorm', 'layernorm']"),
     ({"train": {"norm_before_fc": True, "fc_norm": True}}, "train.norm_before_fc and train.fc_norm both norm fc's"),
+    ({"train": {"norm_before_fc": True, "eagle3": {"fc_norm": True}}},
+     "train.norm_before_fc and train.eagle3.fc_norm both norm fc's"),
+    ({"train": {"edsd": {"epoch": 3}}}, "unknown key train.edsd.epoch"),
+    ({"train": {"edsd": {"lr": "fast"}}}, "train.edsd.lr must be a number, got 'fast'"),
+    ({"train": {"eagle3": {"max_length": 32}}}, "train.eagle3.max_length is every method's: set it in [train]"),
+    ({"train": {"eagle3": 3}}, "train.eagle3 must be a table, got 3"),
 ])
 def test_a_bad_config_is_one_line_naming_the_key(toy, tmp_path, capsys, change, message):
     config = toy_config(toy, tmp_path / "work", **change)
@@ -311,7 +332,8 @@ def write_example(tmp_path: Path, text: str) -> Path:
 def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
     """``pipeline.toml`` and build-demo's flags give the demo drafters' training arguments: the
     recipe of docs/paper.md's ablations with EDSD's draft layer as shipped (the token read, the
-    normed fed-back state, EDFuse's residual at width 576) and EAGLE 3.1's norms, all 10,043
+    normed fed-back state, EDFuse's residual at width 576, one norm over fc's input from its own
+    table) and EAGLE 3.1's norms (EAGLE's fc_norm), all 10,043
     conversations in bfloat16 autocast, saved every 100 batches, the epochs from the flag; EAGLE
     gets the same optimizer, its own norms and none of EDSD's architecture."""
     from vllm_edsd.demo import DEMO_PROMPTS, build
@@ -328,7 +350,8 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
         target=str(toy["target"]), out=str(tmp_path / "edsd"), method="edsd", layers_from=str(tmp_path / "layers.json"),
         data=data, epochs=2, ttt_steps=4, lr=0.001, lr_schedule="cosine", weight_decay=0, token_norm="layernorm",
         attention_reads_token=True, feature_norm=True, fuse_residual=True, fuse_intermediate_size=576,
-        fc_norm=True, norm_before_residual=True, autocast="bfloat16", draft_vocab_size=4096, max_length=448,
+        norm_before_fc=True, fc_norm=False, norm_before_residual=True, autocast="bfloat16", draft_vocab_size=4096,
+        max_length=448,
         batch_size=8, seed=0, device="cpu", save_every=100, cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
     eagle3 = plan.train_options("eagle3")
     assert eagle3.layers_from is None and eagle3.token_norm == TrainOptions.token_norm

@@ -61,6 +61,8 @@ seed = 0
 device = "cuda"
 # save_every = 500                       # batches: also save the state within an epoch (resumable)
 # token_norm = "layernorm"               # EDSD's token-stream norm (default rmsnorm, SpecForge's)
+# [train.eagle3]                         # one method's own values of [train]'s keys, over them
+# lr = 5e-4
 
 [output]
 work = "runs/smollm2"                    # data, caches, checkpoints, logs (rerun to resume)
@@ -151,12 +153,20 @@ class Train:
     seed: int | None = None
     device: str | None = None
     save_every: int | None = None
+    # ``[train.edsd]``, ``[train.eagle3]``: one method's own values of the keys above, over them
+    edsd: dict = field(default_factory=dict)
+    eagle3: dict = field(default_factory=dict)
+
+    def for_method(self, method: str) -> Train:
+        """The budget ``method`` trains with: ``[train]`` with ``[train.METHOD]`` over it."""
+        return dataclasses.replace(self, **getattr(self, method))
 
     def budget(self, method: str) -> dict[str, Any]:
         """``method``'s ``edsd train`` flags, name -> value, in the order of the fields."""
         others = {name for m in METHODS.values() if m.name != method for name in m.own_train_fields}
-        left_out = {"methods"} | (others - set(METHODS[method].own_train_fields))
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in left_out}
+        left_out = {"methods", *METHODS} | (others - set(METHODS[method].own_train_fields))
+        own = self.for_method(method)
+        return {f.name: getattr(own, f.name) for f in dataclasses.fields(self) if f.name not in left_out}
 
 
 @dataclass(frozen=True)
@@ -281,9 +291,28 @@ def check_meaning(where: Path, cfg: Config) -> None:
         ids = getattr(cfg.layers, method.name)
         if ids is not None and len(set(ids)) != method.aux_layers:
             raise EDSDError(f"{where}: layers.{method.name} must be {method.aux_layers} distinct layer ids, got {ids}")
+        own = getattr(cfg.train, method.name)
+        check_method_table(where, method.name, own)
         if method.refuse_switches is not None:
-            switches = {name: getattr(cfg.train, name) for name in method.switches}
-            method.refuse_switches(switches, str(where), lambda name: f"train.{name}")
+            train = cfg.train.for_method(method.name)
+            switches = {name: getattr(train, name) for name in method.switches}
+            table = f"train.{method.name}."
+            method.refuse_switches(switches, str(where),
+                                   lambda name, own=own, table=table: (table if name in own else "train.") + name)
+
+
+# What every method reads alike (the features are extracted once, for all of them): a method's
+# own table may not set these.
+SHARED_TRAIN_KEYS = ("methods", "max_length", "max_samples", "device", *METHODS)
+
+
+def check_method_table(where: Path, method: str, values: dict) -> None:
+    """``[train.METHOD]``: keys of ``[train]``, each checked as there, but none every method
+    reads alike."""
+    shared = sorted(set(values) & set(SHARED_TRAIN_KEYS))
+    if shared:
+        raise EDSDError(f"{where}: train.{method}.{shared[0]} is every method's: set it in [train]")
+    check_section(where, f"train.{method}", Train, values)
 
 
 def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
