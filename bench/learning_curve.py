@@ -46,8 +46,8 @@ SAVE_EVERY = 100  # batches: on a CPU an epoch of the largest point takes about 
 def demo_plan(args: argparse.Namespace, largest: int):
     """``edsd build-demo``'s recipe (its pipeline config) with enough prompts for the largest
     size, without the recipe's architecture and precision: each method's switches off, EDFuse
-    at the target's FFN width, float32, no method's own table. A run is named by its ``--train-extra`` alone, so the
-    base it adds to must not move when the shipped recipe does."""
+    at the target's FFN width, float32, no method's own table. A run is named by its
+    ``--train-extra`` alone, so the base it adds to must not move when the shipped recipe does."""
     from vllm_edsd.demo import build
     from vllm_edsd.demo.target import demo_target
     from vllm_edsd.methods import METHODS as REGISTERED

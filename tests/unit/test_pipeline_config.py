@@ -290,6 +290,7 @@ def test_a_method_table_sets_that_method_alone(toy, tmp_path):
     ({"train": {"edsd": {"lr": "fast"}}}, "train.edsd.lr must be a number, got 'fast'"),
     ({"train": {"eagle3": {"max_length": 32}}}, "train.eagle3.max_length is every method's: set it in [train]"),
     ({"train": {"eagle3": 3}}, "train.eagle3 must be a table, got 3"),
+    ({"train": {"eagle3": {"token_norm": "layernorm"}}}, "train.eagle3.token_norm is not a key of eagle3's drafter"),
 ])
 def test_a_bad_config_is_one_line_naming_the_key(toy, tmp_path, capsys, change, message):
     config = toy_config(toy, tmp_path / "work", **change)

@@ -308,10 +308,14 @@ SHARED_TRAIN_KEYS = ("methods", "max_length", "max_samples", "device", *METHODS)
 
 def check_method_table(where: Path, method: str, values: dict) -> None:
     """``[train.METHOD]``: keys of ``[train]``, each checked as there, but none every method
-    reads alike."""
+    reads alike and none of another method's architecture alone."""
     shared = sorted(set(values) & set(SHARED_TRAIN_KEYS))
     if shared:
         raise EDSDError(f"{where}: train.{method}.{shared[0]} is every method's: set it in [train]")
+    others = {name for m in METHODS.values() if m.name != method for name in m.own_train_fields}
+    foreign = sorted(set(values) & (others - set(METHODS[method].own_train_fields)))
+    if foreign:
+        raise EDSDError(f"{where}: train.{method}.{foreign[0]} is not a key of {method}'s drafter")
     check_section(where, f"train.{method}", Train, values)
 
 
