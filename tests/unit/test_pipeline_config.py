@@ -352,8 +352,8 @@ def test_build_demo_is_the_pipeline_with_the_demo_recipe(toy, tmp_path):
         data=data, epochs=2, ttt_steps=4, lr=0.001, lr_schedule="cosine", weight_decay=0, token_norm="layernorm",
         attention_reads_token=True, feature_norm=True, fuse_residual=True, fuse_intermediate_size=576,
         norm_before_fc=True, fc_norm=False, norm_before_residual=True, autocast="bfloat16", draft_vocab_size=4096,
-        max_length=448,
-        batch_size=8, seed=0, device="cpu", save_every=100, cache=str(tmp_path / "cache"), feature_layers=(1, 2, 3))
+        max_length=448, batch_size=8, seed=0, device="cpu", save_every=100, cache=str(tmp_path / "cache"),
+        feature_layers=(1, 2, 3))
     eagle3 = plan.train_options("eagle3")
     assert eagle3.layers_from is None and eagle3.token_norm == TrainOptions.token_norm
     assert not eagle3.attention_reads_token and not eagle3.feature_norm and not eagle3.fuse_residual

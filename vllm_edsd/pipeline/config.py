@@ -117,6 +117,12 @@ class Layers:
     select_max_length: int | None = count()
 
 
+def other_methods_fields(method: str) -> set[str]:
+    """The ``[train]`` keys of other methods' architectures that ``method``'s is without."""
+    others = {name for m in METHODS.values() if m.name != method for name in m.own_train_fields}
+    return others - set(METHODS[method].own_train_fields)
+
+
 @dataclass(frozen=True)
 class Train:
     """``[train]``: the methods, and the budget every one of them trains with: each key but
@@ -163,8 +169,7 @@ class Train:
 
     def budget(self, method: str) -> dict[str, Any]:
         """``method``'s ``edsd train`` flags, name -> value, in the order of the fields."""
-        others = {name for m in METHODS.values() if m.name != method for name in m.own_train_fields}
-        left_out = {"methods", *METHODS} | (others - set(METHODS[method].own_train_fields))
+        left_out = {"methods", *METHODS} | other_methods_fields(method)
         own = self.for_method(method)
         return {f.name: getattr(own, f.name) for f in dataclasses.fields(self) if f.name not in left_out}
 
@@ -312,8 +317,7 @@ def check_method_table(where: Path, method: str, values: dict) -> None:
     shared = sorted(set(values) & set(SHARED_TRAIN_KEYS))
     if shared:
         raise EDSDError(f"{where}: train.{method}.{shared[0]} is every method's: set it in [train]")
-    others = {name for m in METHODS.values() if m.name != method for name in m.own_train_fields}
-    foreign = sorted(set(values) & (others - set(METHODS[method].own_train_fields)))
+    foreign = sorted(set(values) & other_methods_fields(method))
     if foreign:
         raise EDSDError(f"{where}: train.{method}.{foreign[0]} is not a key of {method}'s drafter")
     check_section(where, f"train.{method}", Train, values)
