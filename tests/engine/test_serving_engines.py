@@ -138,8 +138,6 @@ def check_parity(models, engine_runs, baseline, served: str, source: str, key: s
     # (serving/draft_vocab.py), or by vLLM's local argmax reduction through the model's get_top_tokens
     expected = "method" if use_local_argmax_reduction else "DraftVocabArgmax"
     assert run["greedy_samplers"] == [expected] * tp, run["greedy_samplers"]
-    if method == EDSD:  # on the CPU every rank reads its token rows, in most draft steps
-        assert all(run["token_rows"]["bytes"]) and all(run["token_rows"]["forwards"]), run["token_rows"]
     phase = run["phases"]["parity"]
     assert phase["outputs"] == [out[:PARITY_TOKENS] for out in baseline("llama")[:3]]
     chains_for = reference_chains(models["llama"], source, specforge, method=method)

@@ -5,8 +5,8 @@ prompts + sampling parameters; the target may be a drafter directory served alon
 speculative config: docs/formats.md, "Speculators format"); this script builds the engine once, runs the phases in
 order and writes token ids, vLLM's spec-decode counters, preemptions and what the prefix cache
 held (per request and vLLM's counters) per phase and, on request, the draft tokens the drafter
-proposed, the drafter model's forwards (and those that read EDSD's token rows) and the prompt
-lookup's counts per draft source (read out of the worker with ``collective_rpc``).
+proposed, the drafter model's forwards and the prompt lookup's counts per draft source (read
+out of the worker with ``collective_rpc``).
 A separate process per engine keeps engines from sharing memory or state between tests
 and turns an engine crash into a readable test failure.
 
@@ -97,28 +97,6 @@ def _greedy_sampler(worker) -> str:
     return type(_drafter(worker)._greedy_sample).__name__
 
 
-def _install_rows_counter(worker) -> int | None:
-    """Count the EDSD drafter's forwards that read its token rows (methods/edsd/token_rows.py);
-    the rows' bytes on this rank, None where it has none."""
-    model = _drafter(worker).model
-    rows = getattr(model, "token_rows", None)
-    if rows is None:
-        return None
-    inner = model.model
-    inner._edsd_rows_forwards, original = 0, inner.forward_from_rows
-
-    def forward_from_rows(*args, **kwargs):
-        inner._edsd_rows_forwards += 1
-        return original(*args, **kwargs)
-
-    inner.forward_from_rows = forward_from_rows
-    return rows.nbytes
-
-
-def _rows_forwards(worker) -> int | None:
-    return getattr(_drafter(worker).model.model, "_edsd_rows_forwards", None)
-
-
 def _take_recorded(worker) -> tuple[list, list]:
     drafter = _drafter(worker)
     recorded, drafter._edsd_recorded = drafter._edsd_recorded, []
@@ -173,7 +151,6 @@ def main(job_path: str, out_path: str) -> None:
     result = {"startup_s": time.time() - start, "phases": {}}
     if job.get("speculative_config") and job["speculative_config"]["method"] in ("edsd", "eagle3"):
         result["greedy_samplers"] = llm.collective_rpc(_greedy_sampler)  # one per rank
-        result["token_rows"] = {"bytes": llm.collective_rpc(_install_rows_counter)}
     for phase in job["phases"]:
         # One SamplingParams for the phase, or one per prompt (a list).
         sampling = phase["sampling"]
@@ -220,8 +197,6 @@ def main(job_path: str, out_path: str) -> None:
             "drafter_forwards": forwards,
             "prefix_cache": {key: value - cache_before[key] for key, value in prefix_cache(llm).items()},
         }
-    if "token_rows" in result:
-        result["token_rows"]["forwards"] = llm.collective_rpc(_rows_forwards)
     with open(out_path, "w") as f:
         json.dump(result, f)
 

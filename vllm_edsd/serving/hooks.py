@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,6 @@ from vllm_edsd.serving.user_errors import errors_for_the_user
 logger = logging.getLogger("vllm.edsd")  # a child of vLLM's logger: its handlers and level
 
 _ARCHITECTURES = set(EDSD_METHOD.served_layout.architectures)
-TOKEN_ROWS_ENV = "VLLM_EDSD_TOKEN_ROWS"
 
 
 def checked_engine_config(original: Callable) -> Callable:
@@ -76,8 +74,8 @@ def advise_cpu_dtype(dtype: str) -> None:
 def attach(proposer: Any) -> None:
     """Hook a loaded V1 EAGLE-family proposer with the draft-length limiter (per-request caps;
     the adaptive rule too when it drives an EDSD drafter whose config asks for it; the prompt
-    lookup where the speculative config asks for it), its greedy drafts with the argmax in
-    the draft vocabulary (``draft_vocab``), and an EDSD drafter with its token rows."""
+    lookup where the speculative config asks for it), and its greedy drafts with the argmax in
+    the draft vocabulary (``draft_vocab``)."""
     from vllm_edsd.methods.edsd.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
 
     if draft_length.limiter_of(proposer) is not None:
@@ -93,23 +91,6 @@ def attach(proposer: Any) -> None:
     if prompt_lookup is not None:
         limiter.lookup = lookup.LookupDrafting(prompt_lookup)
     draft_vocab.hook(proposer, model)
-    if isinstance(model, EDSDLlamaForCausalLM):
-        read_token_rows(model)
-
-
-def read_token_rows(model: Any) -> None:
-    """Give an EDSD drafter its token rows (``methods/edsd/token_rows.py``) on the CPU, where its
-    forward runs as Python on every step, unless ``VLLM_EDSD_TOKEN_ROWS=0``. A CUDA graph would
-    replay whichever path it captured, so on a GPU the drafter keeps its matmuls."""
-    if not on_cpu() or os.environ.get(TOKEN_ROWS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return
-    rows = model.use_token_rows()
-    if rows is None:
-        logger.info("vllm-edsd: the EDSD drafter computes its token parts every step (float16 stream, quantized "
-                    "layers, or a table over the size limit)")
-    else:
-        logger.info("vllm-edsd: the EDSD drafter reads its token parts from a table over its draft vocabulary "
-                    "(%.1f MiB; %s=0 turns it off)", rows.nbytes / 2**20, TOKEN_ROWS_ENV)
 
 
 def hooked_proposer_loading(original: Callable) -> Callable:

@@ -1,17 +1,18 @@
 """The EDSD draft model for vLLM, mirroring ``model.py`` with vLLM's parallel layers.
 
-It subclasses vLLM's ``Eagle3LlamaForCausalLM`` because the EAGLE proposer asserts that type;
-it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and ``embed_input_ids``:
+It subclasses vLLM's ``Eagle3LlamaForCausalLM`` because the EAGLE proposer asserts that
+type; it inherits ``compute_logits`` (draft-vocab scatter through ``d2t``) and
+``embed_input_ids``, and replaces the rest:
 
 * ``combine_hidden_states``: ``fc`` on the two aux hidden states (first draft step only), normed
   first where ``norm_before_fc`` or ``fc_norm`` asks, as vLLM's EAGLE-3 does;
 * ``forward``: EDFuse on (feature, token embedding), one stock Llama decoder layer, RMSNorm;
-  it returns (normed states for the logits, pre-norm states fed back to the next step); on the
-  CPU it reads the token's parts from ``token_rows`` where it can. In float16 the residual stream
-  runs in float32 and the fed-back state is stored compressed (``float16_range.py``);
+  it returns (normed states for the logits, pre-norm states fed back to the next step). In
+  float16 the residual stream runs in float32 and the fed-back state is stored compressed
+  (``float16_range.py``): float16's range is too short for EDSD's unnormalised stream;
 * ``compute_logits`` (and ``draft_vocab_logits``, the draft vocabulary's alone, which greedy
-  drafting reads: ``serving/draft_vocab.py``) records the draft entropy where the adaptive draft
-  length asks for it (``serving/features/draft_length.py`` sets ``record_draft_entropy``).
+  drafting reads: ``serving/draft_vocab.py``) also records the draft entropy when the adaptive
+  draft length asks for it (``serving/features/draft_length.py`` sets ``record_draft_entropy``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
+    QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
@@ -40,7 +42,6 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.utils import WeightsMapper, get_draft_quant_config, maybe_prefix, process_eagle_weight
 
 import vllm_edsd.methods.edsd.float16_range as float16_range
-import vllm_edsd.methods.edsd.token_rows as token_rows
 from vllm_edsd.checkpoint.layouts import KV_SCALE, ROPE_CACHES, unexpected_hint
 from vllm_edsd.checkpoint.target import TargetFingerprint
 from vllm_edsd.errors import EDSDError
@@ -106,16 +107,15 @@ class EDSDDecoderLayer(LlamaDecoderLayer):
     def get_quant_config(self, vllm_config: VllmConfig) -> QuantizationConfig | None:
         return get_draft_quant_config(vllm_config)
 
-    def attention_input(self, normed: torch.Tensor, token_side: torch.Tensor | token_rows.QKVRows) -> torch.Tensor:
+    def attention_input(self, normed: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         return normed
 
     def forward_fused(
-        self, positions: torch.Tensor, u: torch.Tensor, token_side: torch.Tensor | token_rows.QKVRows
+        self, positions: torch.Tensor, u: torch.Tensor, token_embeds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual) of the EDFuse output ``u``, as vLLM's decoder layers return them;
-        ``token_side``: the token embeddings, or their q/k/v rows (``token_rows``)."""
+        """(MLP output, residual) of the EDFuse output ``u``, as vLLM's decoder layers return them."""
         normed = self.input_layernorm(u)
-        attn = self.self_attn(positions=positions, hidden_states=self.attention_input(normed, token_side))
+        attn = self.self_attn(positions=positions, hidden_states=self.attention_input(normed, token_embeds))
         hidden, residual = self.post_attention_layernorm(attn, normed if self.norm_before_residual else u)
         return self.mlp(hidden), residual
 
@@ -126,21 +126,14 @@ class TokenReadingDecoderLayer(EDSDDecoderLayer):
 
     def __init__(self, vllm_config: VllmConfig, *, edsd: EDSDConfig, prefix: str, config) -> None:
         super().__init__(vllm_config, edsd=edsd, prefix=prefix, config=config)
-        self.self_attn.qkv_proj = token_rows.TokenRowsQKV(
+        self.self_attn.qkv_proj = QKVParallelLinear(
             2 * edsd.hidden_size, edsd.head_dim, edsd.num_attention_heads, edsd.num_key_value_heads, bias=False,
             quant_config=self.get_quant_config(vllm_config), prefix=maybe_prefix(prefix, "self_attn.qkv_proj"),
         )
         self.token_norm = RMSNorm(edsd.hidden_size, eps=edsd.rms_norm_eps)
 
-    def attention_input(self, normed: torch.Tensor, token_side: torch.Tensor | token_rows.QKVRows):
-        if isinstance(token_side, token_rows.QKVRows):
-            return token_rows.FeatureWithTokenRows(normed, token_side.rows)
-        return torch.cat([normed, self.token_norm(token_side)], -1)
-
-    def token_qkv(self, token_embeds: torch.Tensor) -> torch.Tensor:
-        """q/k/v's token half of token embeddings: the projection of ``[0; token_norm(e)]``."""
-        normed = self.token_norm(token_embeds)
-        return self.self_attn.qkv_proj(torch.cat([torch.zeros_like(normed), normed], -1))[0]
+    def attention_input(self, normed: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        return torch.cat([normed, self.token_norm(token_embeds)], -1)
 
 
 class EDFuse(nn.Module):
@@ -171,29 +164,17 @@ class EDFuse(nn.Module):
             self.token_norm = norm(d, eps=edsd.token_norm_eps)
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
-        if features.dtype == token_embeds.dtype:
-            return self.fuse(features, self.token_up_of(token_embeds))
-        # a float32 stream beside float16 weights
         if self.token_norm is not None:
             token_embeds = self.token_norm(token_embeds)
         if self.feature_norm is not None:
-            features = float16_range.rms_norm(features, self.feature_norm.weight, self.feature_norm.variance_epsilon)
-        fused = float16_range.fuse(
-            features, token_embeds, self.feature_gate, self.token_up, self.fuse_down, token_embeds.dtype
-        )
-        return self.reduced(features, fused)
-
-    def token_up_of(self, token_embeds: torch.Tensor) -> torch.Tensor:
-        """``up(norm(e))``: the half of EDFuse that reads the token alone (``token_rows``)."""
-        return self.token_up(token_embeds if self.token_norm is None else self.token_norm(token_embeds))
-
-    def fuse(self, features: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """EDFuse of the features, given the token's ``up(norm(e))``."""
-        if self.feature_norm is not None:
-            features = self.feature_norm(features)
-        return self.reduced(features, self.fuse_down(F.silu(self.feature_gate(features)) * up))
-
-    def reduced(self, features: torch.Tensor, fused: torch.Tensor) -> torch.Tensor:
+            features = (self.feature_norm(features) if features.dtype == token_embeds.dtype else
+                        float16_range.rms_norm(features, self.feature_norm.weight, self.feature_norm.variance_epsilon))
+        if features.dtype == token_embeds.dtype:
+            fused = self.fuse_down(F.silu(self.feature_gate(features)) * self.token_up(token_embeds))
+        else:  # a float32 stream beside float16 weights
+            fused = float16_range.fuse(
+                features, token_embeds, self.feature_gate, self.token_up, self.fuse_down, token_embeds.dtype
+            )
         fused = tensor_model_parallel_all_reduce(fused) if self.tp_size > 1 else fused
         return features + fused if self.fuse_residual else fused
 
@@ -265,15 +246,6 @@ class EDSDLlamaModel(nn.Module):
         normed, prenorm = self.norm(hidden_states, residual)
         return normed, prenorm
 
-    def forward_from_rows(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, rows: tuple[torch.Tensor, token_rows.QKVRows]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` with the token's parts read from ``token_rows`` (eager: the choice of path
-        reads the tokens)."""
-        up, qkv = rows
-        hidden_states, residual = self.layers[0].forward_fused(positions, self.edfuse.fuse(hidden_states, up), qkv)
-        return self.norm(hidden_states, residual)
-
     def forward_float32_stream(
         self, positions: torch.Tensor, state: torch.Tensor, input_embeds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,21 +298,15 @@ class EDSDLlamaForCausalLM(Eagle3LlamaForCausalLM):
             raise EDSDError("EDSD drafters do not support parallel_drafting; remove it from the speculative config")
         self.record_draft_entropy = False  # set by the adaptive draft length, which reads the entropy
         self.last_draft_entropy: torch.Tensor | None = None
-        self.token_rows: token_rows.TokenRows | None = None  # set by use_token_rows
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = None if self.token_rows is None or inputs_embeds is not None else self.token_rows.rows_of(input_ids)
-        if rows is not None:
-            return self.model.forward_from_rows(positions, hidden_states, rows)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(input_ids, positions, hidden_states, inputs_embeds)
-
-    def use_token_rows(self) -> token_rows.TokenRows | None:
-        """Read the token's parts of each forward from a table where every token lies in the
-        draft vocabulary (``token_rows``), once the drafter shares the target's embedding; the
-        rows, or None where they cannot serve this drafter."""
-        self.token_rows = token_rows.of_model(self.model, self.draft_id_to_target_id, self.edsd.vocab_size)
-        return self.token_rows
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.entropy_recorded(super().compute_logits(hidden_states))
