@@ -101,6 +101,10 @@ def engine_sizes(parser: argparse.ArgumentParser) -> None:
     add("--batch-sizes", default=None, help=f"default 1,2,4,...,256 (quick: 1,4; step-cost: {STEP_COST_BATCH_SIZES})")
     add("--mixed-batch", type=int, default=None,
         help="the mixed suite's batch; half of it opts out of drafting (default 16; quick 4)")
+    add("--rounds", type=int, default=1,
+        help="offline suites: every method's engine this many times, in alternating order, so that a drift of "
+             "the machine's speed touches every method alike; the report adds each method's tok/s per round "
+             "(default 1)")
     add("--qps", default=None, help="request rates for latency (default 0.5,1,2,4; quick: 1)")
     add("--num-requests", type=int, default=None, help="Poisson arrivals per request rate (default 200; quick 16)")
     add("--max-users", type=int, default=64, help="locust users, the most requests in flight at once (default 64)")

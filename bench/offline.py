@@ -288,12 +288,13 @@ def reply_digest(token_ids) -> str:
     return hashlib.sha256(json.dumps(list(token_ids)).encode()).hexdigest()[:16]
 
 
-def offline(setup: Setup, method: str, k: int, suites: list[str]) -> list[dict]:
-    """The rows of every offline suite in ``suites`` for (method, K), all from one engine: an
-    engine start costs more than most suites' measurements on a CPU."""
+def offline(setup: Setup, method: str, k: int, suites: list[str], round_number: int = 0) -> list[dict]:
+    """The rows of every offline suite in ``suites`` for (method, K), all from one engine (an
+    engine start costs more than most suites' measurements on a CPU), each marked with its
+    round (``--rounds``: the run's engines, again)."""
     with engine(setup, method, k) as llm:
         warm_up(setup, llm)
-        return [row for suite in suites for row in MEASURE[suite](setup, method, k, llm)]
+        return [{**row, "round": round_number} for suite in suites for row in MEASURE[suite](setup, method, k, llm)]
 
 
 def warm_up(setup: Setup, llm) -> None:
@@ -307,15 +308,15 @@ def warm_up(setup: Setup, llm) -> None:
 
 def with_derived(runs: list[dict]) -> list[dict]:
     """``runs`` with each row's figures relative to others of the same run: ``speedup`` over
-    the no-speculation row (acceptance: same category and temperature; throughput: same batch
-    size and temperature), ``same_replies`` (at T=0: how many replies equal that row's, token
+    the no-speculation row (acceptance: same category, temperature and round; throughput: same
+    batch size, temperature and round), ``same_replies`` (at T=0: how many replies equal that row's, token
     for token; bf16 rounding can change a reply at a near-tie, docs/results.md, "Measuring: `python -m bench`") and
     robustness's ``tau_drop`` against no system prompt."""
     for suite, keys in (("acceptance", ("category", "temperature")), ("throughput", ("batch_size", "temperature"))):
         rows = [r for r in runs if r["suite"] == suite]
-        base = {tuple(r[key] for key in keys): r for r in rows if r["method"] == "none"}
+        base = {(*(r[key] for key in keys), r.get("round", 0)): r for r in rows if r["method"] == "none"}
         for r in rows:
-            ref = base.get(tuple(r[key] for key in keys))
+            ref = base.get((*(r[key] for key in keys), r.get("round", 0)))
             r["speedup"] = None if ref is None else r["output_tokens_per_s"] / ref["output_tokens_per_s"]
             greedy = ref is not None and r["temperature"] == 0 and "reply_digests" in r
             r["same_replies"] = sum(map(str.__eq__, r["reply_digests"], ref["reply_digests"])) if greedy else None

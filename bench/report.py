@@ -124,10 +124,15 @@ def _lookup_share(row: dict) -> str:
 
 
 LOOKUP: Column = ("lookup accepted/drafted", _lookup_share)
-ACCEPTANCE = (METHOD, K, T, ("category", lambda r: r["category"]), DTYPE, TAU, TAU_SEQUENCE,
+def _round(row: dict) -> str:
+    """`` · round N`` for a row of a run's second or later round (``--rounds``), else nothing."""
+    return f" · round {row['round'] + 1}" if row.get("round") else ""
+
+
+ACCEPTANCE = (METHOD, K, T, ("category", lambda r: r["category"] + _round(r)), DTYPE, TAU, TAU_SEQUENCE,
               ("acceptance per position", lambda r: " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])),
               DRAFT_LENGTH, TOKENS_PER_S, SPEEDUP, SAME_REPLIES, LOOKUP)
-THROUGHPUT = (METHOD, K, T, ("batch", lambda r: str(r["batch_size"])), DTYPE, TOKENS_PER_S, SPEEDUP, TAU,
+THROUGHPUT = (METHOD, K, T, ("batch", lambda r: str(r["batch_size"]) + _round(r)), DTYPE, TOKENS_PER_S, SPEEDUP, TAU,
               TAU_SEQUENCE, DRAFT_LENGTH, SAME_REPLIES, LOOKUP)
 
 
@@ -160,6 +165,34 @@ def _mixed_halves(rows: list[dict]) -> list[dict]:
              **{run: tok_s.get((m, k, half, run)) for run in MIXED_RUNS}} for m, k, b, half, dtype in halves]
 
 
+def _rounds(rows: list[dict]) -> list[dict]:
+    """One row per (method, K, T, dtype) of a run with several rounds: its tok/s in each round
+    and over them all (output tokens over seconds, every category), and against no speculation
+    in the same round; none where the run had one round."""
+    if not any(r.get("round") for r in rows):
+        return []
+    groups: dict[tuple, dict[int, list[float]]] = {}
+    for r in rows:
+        totals = groups.setdefault((r["method"], r["k"], r["temperature"], _dtype(r)), {})
+        tokens, seconds = totals.get(r["round"], (0, 0.0))
+        totals[r["round"]] = (tokens + r["output_tokens"], seconds + r["elapsed_s"])
+    rate = {key: {n: t / s for n, (t, s) in totals.items()} for key, totals in groups.items()}
+    out = []
+    for (method, k, temperature, dtype), totals in groups.items():
+        none = rate.get(("none", 0, temperature, dtype), {})
+        overall = sum(t for t, _ in totals.values()) / sum(s for _, s in totals.values())
+        out.append({"method": method, "k": k, "temperature": temperature, "dtype": dtype, "overall": overall,
+                    "per_round": [rate[(method, k, temperature, dtype)][n] for n in sorted(totals)],
+                    "against_none": [rate[(method, k, temperature, dtype)][n] / none[n] if n in none else None
+                                     for n in sorted(totals)]})
+    return out
+
+
+ROUNDS = (METHOD, K, T, DTYPE, ("tok/s per round", lambda r: " / ".join(f"{v:.1f}" for v in r["per_round"])),
+          ("tok/s over the rounds", lambda r: f"{r['overall']:.1f}"),
+          ("speed-up per round", lambda r: " / ".join(_fmt(v) for v in r["against_none"])))
+
+
 @dataclass(frozen=True)
 class Section:
     """A suite's part of the report: its heading and notes, then one table row per result
@@ -183,6 +216,9 @@ SECTIONS = (
     Section("acceptance", "## Acceptance (batch size 1)\n\nτ = mean acceptance length; draft len = mean tokens per "
             "draft (K unless the length adapts); speed-up over no speculation in the same run; same replies: at "
             "T=0, the replies equal to no speculation's, token for token.\n", ACCEPTANCE),
+    Section("acceptance", "\n## Acceptance over the rounds (`--rounds`)\n\nEach method's output tokens over its "
+            "seconds, every category together, in each round and over all of them; speed-up: against no "
+            "speculation in the same round.\n", ROUNDS, _rounds),
     Section("throughput", "\n## Throughput vs batch size (chain drafting)\n", THROUGHPUT),
     Section("latency", "\n## Latency vs request rate (open-loop Poisson arrivals, streaming, seconds)\n\n"
             "ITL = mean time per output token after the first chunk, per request; late = requests sent "

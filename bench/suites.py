@@ -83,7 +83,7 @@ def check_values(args: argparse.Namespace) -> tuple[str, ...]:
     unknown = sorted(set(categories) - set(CATEGORIES))
     if unknown:
         raise EDSDError(f"unknown categor(ies) {', '.join(unknown)}; choose from {', '.join(CATEGORIES)}")
-    for flag in ("prompts_per_category", "max_tokens", "mixed_batch", "num_requests", "max_users"):
+    for flag in ("prompts_per_category", "max_tokens", "mixed_batch", "num_requests", "max_users", "rounds"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise EDSDError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -138,9 +138,10 @@ def measurements(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace
     engine per (method, K) for all offline suites together, draft-cost's profiled engines, then
     the latency suite's servers."""
     offline_suites = [s for s in suites if s in OFFLINE_SUITES]
-    steps = [(f"{method} K={k}" if method != "none" else "none", offline_suites,
-              functools.partial(offline, setup, method, k, offline_suites))
-             for method, k in setup.methods_with_k()] if offline_suites else []
+    steps = [(engine_label(method, k, round_number, args.rounds), offline_suites,
+              functools.partial(offline, setup, method, k, offline_suites, round_number))
+             for round_number in range(args.rounds) for method, k in rounds_order(setup, round_number)
+             ] if offline_suites else []
     if draft_cost.SUITE in suites:
         steps += draft_cost_steps(setup, args)
     if step_cost.SUITE in suites:
@@ -154,6 +155,18 @@ def measurements(setup: Setup, suites: tuple[str, ...], args: argparse.Namespace
         steps.append(("latency", ["latency"], functools.partial(
             latency, setup, rates, args.num_requests or (16 if args.quick else 200), args.max_users)))
     return steps
+
+
+def rounds_order(setup: Setup, round_number: int) -> list[tuple[str, int]]:
+    """The engines of one round: the methods' order, reversed every other round, so that no
+    method always runs first or last."""
+    order = list(setup.methods_with_k())
+    return order if round_number % 2 == 0 else order[::-1]
+
+
+def engine_label(method: str, k: int, round_number: int, rounds: int) -> str:
+    label = f"{method} K={k}" if method != "none" else "none"
+    return f"{label}, round {round_number + 1}/{rounds}" if rounds > 1 else label
 
 
 def draft_cost_steps(setup: Setup, args: argparse.Namespace) -> list[tuple]:

@@ -346,3 +346,42 @@ def test_a_target_given_needs_its_own_drafter(tmp_path):
         target_and_drafter(str(tmp_path), "edsd", None)
     assert target_and_drafter(str(tmp_path), "none", None) == (str(tmp_path), None)
     assert target_and_drafter(str(tmp_path), "eagle3", "d") == (str(tmp_path), "d")
+
+
+def test_rounds_run_every_engine_again_in_alternating_order(tmp_path):
+    """``--rounds 3``: the offline engines three times, the order reversed every other round; speed-ups
+    divide by no speculation of the same round, and the report adds each method's tok/s per round
+    and over the rounds (tokens over seconds, every category together). One round adds nothing."""
+    from bench.cli import parse
+    from bench.report import render
+    from bench.suites import build_setup, measurements
+    from vllm_edsd.errors import EDSDError
+
+    args = parse(["acceptance", "--out", str(tmp_path), "--target", "t", "--edsd", "e", "--eagle3", "e3",
+                  "--methods", "none,eagle3,edsd", "--rounds", "3"])
+    labels = [label for label, _, _ in measurements(build_setup(args), (args.suite,), args)]
+    order = ["none", "eagle3 K=4", "edsd K=4"]
+    assert labels == [f"{m}, round {n}/3" for n, ms in ((1, order), (2, order[::-1]), (3, order)) for m in ms]
+    with pytest.raises(EDSDError, match="--rounds must be at least 1, got 0"):
+        build_setup(parse(["acceptance", "--out", str(tmp_path), "--target", "t", "--rounds", "0"]))
+
+    def row(method, k, category, round_number, tokens, seconds):
+        return {"suite": "acceptance", "method": method, "k": k, "temperature": 0.0, "category": category,
+                "round": round_number, "output_tokens": tokens, "elapsed_s": seconds, "dtype": "float32",
+                "output_tokens_per_s": tokens / seconds, "tau": None, "tau_sequence": 1.0, "acceptance_per_pos": []}
+
+    rows = [row("none", 0, c, n, 100, 10.0) for n in (0, 1) for c in ("chat", "code")]
+    rows += [row("edsd", 4, "chat", 0, 100, 5.0), row("edsd", 4, "code", 0, 100, 15.0),
+             row("edsd", 4, "chat", 1, 100, 4.0), row("edsd", 4, "code", 1, 100, 4.0)]
+    runs = with_derived(rows)
+    assert [r["speedup"] for r in runs if r["method"] == "edsd"] == [2.0, 100 / 15 / 10, 2.5, 2.5]
+    report = render({"machine": {"processor": "p", "cores": 2, "accelerator": "none", "vllm": "v", "torch": "t",
+                                 "vllm_edsd": "e"},
+                     "config": {"target": "t", "drafters": {}, "command": "c", "ignore_eos": True}, "runs": runs})
+    assert "| edsd | 4 | 0 | chat · round 2 | float32 |" in report  # the acceptance table marks round 2
+    assert "| edsd | 4 | 0 | float32 | 10.0 / 25.0 | 14.3 | 1.00 / 2.50 |" in report  # 400 tokens in 28 s
+    one_round = render({"machine": {"processor": "p", "cores": 2, "accelerator": "none", "vllm": "v", "torch": "t",
+                                    "vllm_edsd": "e"},
+                        "config": {"target": "t", "drafters": {}, "command": "c", "ignore_eos": True},
+                        "runs": with_derived([r for r in rows if r["round"] == 0])})
+    assert "over the rounds" not in one_round
