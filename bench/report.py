@@ -124,6 +124,8 @@ def _lookup_share(row: dict) -> str:
 
 
 LOOKUP: Column = ("lookup accepted/drafted", _lookup_share)
+
+
 def _round(row: dict) -> str:
     """`` · round N`` for a row of a run's second or later round (``--rounds``), else nothing."""
     return f" · round {row['round'] + 1}" if row.get("round") else ""
@@ -171,20 +173,19 @@ def _rounds(rows: list[dict]) -> list[dict]:
     in the same round; none where the run had one round."""
     if not any(r.get("round") for r in rows):
         return []
-    groups: dict[tuple, dict[int, list[float]]] = {}
+    groups: dict[tuple, dict[int, tuple[int, float]]] = {}
     for r in rows:
         totals = groups.setdefault((r["method"], r["k"], r["temperature"], _dtype(r)), {})
         tokens, seconds = totals.get(r["round"], (0, 0.0))
         totals[r["round"]] = (tokens + r["output_tokens"], seconds + r["elapsed_s"])
-    rate = {key: {n: t / s for n, (t, s) in totals.items()} for key, totals in groups.items()}
+    rate = {key: {n: t / s for n, (t, s) in sorted(totals.items())} for key, totals in groups.items()}
     out = []
     for (method, k, temperature, dtype), totals in groups.items():
-        none = rate.get(("none", 0, temperature, dtype), {})
+        own, none = rate[(method, k, temperature, dtype)], rate.get(("none", 0, temperature, dtype), {})
         overall = sum(t for t, _ in totals.values()) / sum(s for _, s in totals.values())
         out.append({"method": method, "k": k, "temperature": temperature, "dtype": dtype, "overall": overall,
-                    "per_round": [rate[(method, k, temperature, dtype)][n] for n in sorted(totals)],
-                    "against_none": [rate[(method, k, temperature, dtype)][n] / none[n] if n in none else None
-                                     for n in sorted(totals)]})
+                    "per_round": list(own.values()),
+                    "against_none": [value / none[n] if n in none else None for n, value in own.items()]})
     return out
 
 
