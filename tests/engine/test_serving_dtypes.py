@@ -1,5 +1,6 @@
 """EDSD and EAGLE-3 served in every dtype a user can pick (float16, bfloat16, float32): the demo
-pair's per-position acceptance at K=7 within 0.05 of float32's, and, on a toy target
+pair's per-position acceptance at K=7 within 0.05 of float32's (EAGLE-3 in the 16-bit dtypes this
+CPU computes natively), and, on a toy target
 whose first token carries a massive activation, drafts in every dtype that are the float32 reference's.
 
 EDSD's residual stream leaves float16's range from the first draft step (methods/edsd/float16_range.py);
@@ -22,7 +23,7 @@ from support.specforge_layout import write_specforge_checkpoint
 from transformers import AutoTokenizer
 
 from vllm_edsd.demo.target import demo_target
-from vllm_edsd.launch.engine import cpu_dtype
+from vllm_edsd.launch.engine import cpu_computes_natively, cpu_dtype
 from vllm_edsd.methods.edsd.layouts import SPECFORGE_EDSD
 from vllm_edsd.methods.edsd.model import EDSDDraftModel
 from weights_convert import convert
@@ -95,7 +96,14 @@ def assert_accepts_as(measured: list[float], reference: list[float], what: str) 
     assert max(gaps) <= TOLERANCE, f"K={K}: {what} {measured} against float32 {reference}"
 
 
-@pytest.mark.parametrize(("method", "dtype"), [(m, d) for m in ("edsd", "eagle3") for d in DTYPES if d != "float32"])
+# EAGLE-3 in a 16-bit dtype this CPU emulates is left out: vLLM's own eagle3 model serves it, its
+# fed-back state stays within float16's range (EDSD's leaves it), and its float16 engine took 216 s
+# of CI on a 2-core AVX2-only EPYC; the GPU tier serves both in float16.
+DEMO_CASES = [("edsd", d) for d in DTYPES if d != "float32"] + \
+    [("eagle3", d) for d in DTYPES if d != "float32" and cpu_computes_natively(d)]
+
+
+@pytest.mark.parametrize(("method", "dtype"), DEMO_CASES)
 def test_demo_pair_accepts_as_in_float32(demo_prompts, engine_runs, method, dtype):
     reference = per_position(demo_prompts, engine_runs, method, "float32")
     assert_accepts_as(per_position(demo_prompts, engine_runs, method, dtype), reference, dtype)

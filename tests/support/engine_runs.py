@@ -3,10 +3,13 @@ share (configurations and cache sizes), and running one job in a fresh process."
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,58 @@ def in_process_core() -> dict[str, str]:
     return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+ENGINE_JOB = Path(__file__).parent / "engine_job.py"
+
+
+def engine_env() -> dict[str, str]:
+    """The environment of an engine job: this worker's (its core, KV cache and compile cache are
+    set when pytest configures it, after this module is imported)."""
+    return {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+class EngineForks:
+    """This process's ``engine_job.py --forks``: every engine job of a test worker runs in a child
+    forked from one process that imported vLLM once (started at the first job, ended with this
+    process)."""
+
+    def __init__(self) -> None:
+        self.server: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+
+    def run(self, job_file: Path, out_file: Path, log_file: Path) -> int:
+        """The job's exit status (negative: killed by that signal); a job still running after
+        ENGINE_TIMEOUT_S is killed and fails its test."""
+        if self.server is None or self.server.poll() is not None or self.env != engine_env():
+            if self.server is not None:
+                self.server.stdin.close()
+            self.env = engine_env()  # a job sees the environment of the moment it was asked for
+            self.server = subprocess.Popen([sys.executable, str(ENGINE_JOB), "--forks"], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, env=self.env, text=True)
+            atexit.register(self.server.stdin.close)
+        self.server.stdin.write(json.dumps([str(job_file), str(out_file), str(log_file)]) + "\n")
+        self.server.stdin.flush()
+        pid = self._reply(log_file)
+        killed = threading.Event()
+        timer = threading.Timer(ENGINE_TIMEOUT_S, lambda: (killed.set(), os.kill(pid, signal.SIGKILL)))
+        timer.start()
+        try:
+            status = self._reply(log_file)
+        finally:
+            timer.cancel()
+        if killed.is_set():
+            pytest.fail(f"engine job still running after {ENGINE_TIMEOUT_S} s: killed ({log_file})")
+        return status
+
+    def _reply(self, log_file: Path) -> int:
+        line = self.server.stdout.readline()
+        if not line:
+            pytest.fail(f"the engine fork server ended (exit {self.server.wait()}) during {log_file}")
+        return json.loads(line)
+
+
+ENGINE_FORKS = EngineForks()
+
+
 # What Python prints for an error nobody handled: a traceback, or a finaliser's failure.
 TRACEBACK_MARKS = ("Traceback (most recent call last)", "Exception ignored in")
 
@@ -54,15 +109,16 @@ def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     job_file, out_file, log_file = workdir / "job.json", workdir / "out.json", workdir / "engine.log"
     job_file.write_text(json.dumps(job))
-    full_env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
-    with open(log_file, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).parent / "engine_job.py"), str(job_file), str(out_file)],
-            stdout=log, stderr=subprocess.STDOUT, env=full_env, timeout=ENGINE_TIMEOUT_S,
-        )
-    if proc.returncode != 0:
+    if env:  # settings vLLM may read as it is imported: a fresh process
+        with open(log_file, "w") as log:
+            returncode = subprocess.run(
+                [sys.executable, str(ENGINE_JOB), str(job_file), str(out_file)], stdout=log,
+                stderr=subprocess.STDOUT, env={**engine_env(), **env}, timeout=ENGINE_TIMEOUT_S).returncode
+    else:
+        returncode = ENGINE_FORKS.run(job_file, out_file, log_file)
+    if returncode != 0:
         tail = log_file.read_text()[-6000:]
-        pytest.fail(f"engine job failed (exit {proc.returncode}); log tail:\n{tail}")
+        pytest.fail(f"engine job failed (exit {returncode}); log tail:\n{tail}")
     assert_no_traceback(log_file, "the engine job")
     return json.loads(out_file.read_text())
 

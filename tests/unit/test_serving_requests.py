@@ -254,25 +254,38 @@ def test_edsd_drafts_by_sampling_unless_the_user_says_otherwise(models):
     assert method(draft_sample_method="greedy") == "greedy"
 
 
-ENGINE_CONFIG = """
+DTYPES = ("bfloat16", "float16", "float32")
+# Each dtype's engine config in one process (one vLLM import for the three), its log after a marker.
+ENGINE_CONFIGS = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
-target, spec, dtype = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-config = EngineArgs(model=target, speculative_config=spec, dtype=dtype, gpu_memory_utilization=0.25)
-print("served in", config.create_engine_config().model_config.dtype)
+target, spec = sys.argv[1], json.loads(sys.argv[2])
+for dtype in sys.argv[3:]:
+    print("=== dtype", dtype, flush=True)
+    config = EngineArgs(model=target, speculative_config=spec, dtype=dtype, gpu_memory_utilization=0.25)
+    print("served in", config.create_engine_config().model_config.dtype, flush=True)
 """
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_a_16_bit_edsd_server_on_a_cpu_that_emulates_it_is_told_its_native_dtype(models, dtype):
-    """One warning in vLLM's log (a process of its own: vLLM sets up its logging there), where
-    this CPU has no native instructions for the dtype the engine computes in, naming the dtype it
-    computes natively (bfloat16 where it can, else float32); the dtype stays what was asked."""
+@pytest.fixture(scope="module")
+def dtype_logs(models) -> dict[str, str]:
+    """vLLM's log (a process of its own: vLLM sets up its logging there) of an EDSD engine config
+    in each of DTYPES, by dtype."""
+    out = subprocess.run([sys.executable, "-c", ENGINE_CONFIGS, str(models["llama"]),
+                          json.dumps(spec(models["llama-edsd"])), *DTYPES],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=True).stdout
+    parts = out.split("=== dtype ")[1:]
+    return {part.split("\n", 1)[0]: part for part in parts}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_16_bit_edsd_server_on_a_cpu_that_emulates_it_is_told_its_native_dtype(dtype_logs, dtype):
+    """One warning in vLLM's log, where this CPU has no native instructions for the dtype the
+    engine computes in, naming the dtype it computes natively (bfloat16 where it can, else
+    float32); the dtype stays what was asked."""
     from vllm_edsd.launch.engine import cpu_computes_natively, cpu_dtype
 
-    out = subprocess.run([sys.executable, "-c", ENGINE_CONFIG, str(models["llama"]),
-                          json.dumps(spec(models["llama-edsd"])), dtype], capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
+    log = dtype_logs[dtype]
     assert f"served in torch.{dtype}" in log
     assert log.count("by emulation") == (not cpu_computes_natively(dtype))
     assert "by emulation" not in log or f"computes {dtype} by emulation" in log
