@@ -207,9 +207,12 @@ def serve_forks() -> None:
     in a child forked from this process. Importing vLLM took 11-15 s of every engine job on a
     2-core AMD EPYC with AVX2 only, about 4 times the toy engine's own start; a fork starts with
     it imported. For each job this prints the child's pid, then its exit status (negative: the
-    signal that killed it), one JSON line each. The child writes to its log alone and ends as a
-    process of its own does (atexit handlers and finalisers run), so its log is what the job
-    would print in a fresh process. End of stdin ends the server."""
+    signal that killed it), one JSON line each on its stdout (what imported code prints goes to
+    stderr). The child writes to its log alone and ends as a process of its own does (atexit
+    handlers and finalisers run), so its log is what the job would print in a fresh process.
+    End of stdin ends the server."""
+    replies = os.fdopen(os.dup(1), "w")  # the replies' own pipe: vLLM 0.27 logs to stdout
+    os.dup2(2, 1)
     import vllm  # noqa: F401  (what every fork saves)
     from vllm import SamplingParams  # noqa: F401
 
@@ -219,10 +222,11 @@ def serve_forks() -> None:
         job_path, out_path, log_path = json.loads(line)
         pid = os.fork()
         if pid == 0:
+            replies.close()
             _run_forked(job_path, out_path, log_path)
-        print(json.dumps(pid), flush=True)
+        print(json.dumps(pid), file=replies, flush=True)
         _, status = os.waitpid(pid, 0)
-        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+        print(json.dumps(os.waitstatus_to_exitcode(status)), file=replies, flush=True)
 
 
 def _run_forked(job_path: str, out_path: str, log_path: str) -> None:
