@@ -1,5 +1,6 @@
 """Engine jobs for ``engine_job.py``: their phases (prompts and sampling), the engines the tests
-share (configurations and cache sizes), and running one job in a fresh process."""
+share (configurations and cache sizes), and running one job in a process of its own (forked from
+one that imported vLLM once, or fresh where the job brings settings of its own)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ class EngineForks:
         """The job's exit status (negative: killed by that signal); a job still running after
         ENGINE_TIMEOUT_S is killed and fails its test."""
         if self.server is None or self.server.poll() is not None or self.env != engine_env():
-            if self.server is not None:
+            if self.server is not None:  # the server of another environment ends at end of stdin
                 self.server.stdin.close()
+                self.server.wait()
             self.env = engine_env()  # a job sees the environment of the moment it was asked for
             self.server = subprocess.Popen([sys.executable, str(ENGINE_JOB), "--forks"], stdin=subprocess.PIPE,
                                            stdout=subprocess.PIPE, env=self.env, text=True)
@@ -104,8 +106,8 @@ def assert_no_traceback(log_file: Path, what: str) -> None:
 
 
 def run_engine_job(job: dict, workdir: Path, env: dict | None = None) -> dict:
-    """Run ``engine_job.py`` on ``job``; fail the test with the engine's log on error, and on any
-    traceback in that log."""
+    """Run ``engine_job.py`` on ``job`` (a fork of ``ENGINE_FORKS``; a fresh process where ``env``
+    adds settings); fail the test with the engine's log on error, and on any traceback in that log."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_file, out_file, log_file = workdir / "job.json", workdir / "out.json", workdir / "engine.log"
     job_file.write_text(json.dumps(job))
