@@ -14,7 +14,8 @@ import pytest
 
 # A demo stopped while vLLM builds its engine stops only when the engine is built: vLLM's
 # EngineCore defers SIGTERM and SIGINT until then. Offline, the demo is stopped while it generates.
-FLAGS = {"server": ["--max-tokens", "4"], "offline": ["--offline", "--max-tokens", "192"]}
+# Eager engines: SIGTERM's path is the same, and torch.compile took about a minute of each start in CI.
+FLAGS = {"server": ["--max-tokens", "4", "--eager"], "offline": ["--offline", "--max-tokens", "192", "--eager"]}
 
 
 def _running(process) -> bool:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.engine_runs import in_process_core
 from support.toy import make_target, toy_corpus
 
 from vllm_edsd.launch.server import free_port
@@ -27,9 +28,10 @@ EDSD = (sys.executable, "-m", "vllm_edsd")
 EAGER = ("--vllm-args", json.dumps({"enforce_eager": True}))  # every engine without torch.compile
 
 
-def edsd(*args: str, launcher: tuple[str, ...] = EDSD) -> str:
-    """An ``edsd`` command in its own process(es); its output, or the test fails with it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def edsd(*args: str, launcher: tuple[str, ...] = EDSD, env: dict[str, str] | None = None) -> str:
+    """An ``edsd`` command in its own process(es) (in ``env``, else this one's); its output, or the
+    test fails with it."""
+    env = {**(env or os.environ), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout + done.stderr
@@ -51,7 +53,7 @@ def flow(tmp_path_factory) -> dict:
     (root / "prompts.jsonl").write_text("".join(json.dumps({"messages": p}) + "\n" for p in
                                                 [*prompts, [{"role": "user", "content": words(2000)}]]))
     regenerated = edsd("regenerate", target, "--out", str(root / "answers.jsonl"), "--data",
-                       str(root / "prompts.jsonl"), "--answer-tokens", "8", *EAGER)
+                       str(root / "prompts.jsonl"), "--answer-tokens", "8", *EAGER, env=in_process_core())
     long_answer = [{"role": "user", "content": "Tell me everything."}, {"role": "assistant", "content": words(1500)}]
     with open(root / "answers.jsonl", "a") as data:
         data.write(json.dumps({"messages": long_answer}) + "\n")

@@ -29,12 +29,13 @@ SMALL_CACHE = {"block_size": 32, "num_gpu_blocks_override": 10, "max_model_len":
 
 def in_process_core() -> dict[str, str]:
     """The environment for a command whose offline engines (vLLM's ``LLM``) keep their engine core
-    in the process that builds them, as engine_job.py runs it: a second process imports vLLM and
-    the plugin again, and the bench's throughput run of three EDSD variants took 79 s without it
-    against 156 s (2-core AMD EPYC with AVX512-BF16, toy targets in float32, eager). vLLM's
-    server (AsyncLLM) ignores the setting: its engine core keeps a process of its own. Not for
-    ``bench all`` or ``edsd features``, which failed or hung so (docs/known-issues.md, "engines
-    whose core runs in the caller's process")."""
+    in the process that builds them, as engine_job.py runs it: on a CPU vLLM otherwise starts two
+    more processes per engine (its core and its worker), each importing vLLM and the plugin again,
+    and the bench's throughput run of three EDSD variants took 79 s without it against 156 s
+    (2-core AMD EPYC with AVX512-BF16, toy targets in float32, eager). vLLM's server (AsyncLLM)
+    ignores the setting: its engine core keeps a process of its own. ``bench all`` only with
+    EDSD's engine before the prompt lookup's, and not ``edsd features``, which failed or hung so
+    (docs/known-issues.md, "engines whose core runs in the caller's process")."""
     return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 

@@ -16,6 +16,7 @@ def test_demo_names_its_dtype_and_where_a_reply_differs():
                "margins": None}
     text = summary({"none": plain, "edsd": drafted}, 4)
     assert DEMO_DTYPE == "float32" and "float32, K=4" in text
+    assert "float32, eager (no torch.compile), K=4" in summary({"none": plain, "edsd": drafted}, 4, eager=True)
     assert "3/4" in text
     assert (
         "edsd: prompt 1 differs from the target alone first at token 2; the target's top-2 logit margin there is 0.0123"

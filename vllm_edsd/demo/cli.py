@@ -25,12 +25,16 @@ help = "serve the embedded demo target with its EDSD and EAGLE-3 drafters; show 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
-        f"examples:\n  edsd demo\n  edsd demo --offline --k 3\n  edsd demo --methods {EDSD}\n  edsd demo --paths"
+        f"examples:\n  edsd demo\n  edsd demo --offline --k 3 --eager\n  edsd demo --methods {EDSD}\n"
+        "  edsd demo --paths"
     )
     parser.add_argument("--paths", action="store_true", help="print the demo model directories as JSON and exit")
     parser.add_argument("--offline", action="store_true", help="use LLM.generate instead of the OpenAI server")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    parser.add_argument("--eager", action="store_true",
+                        help="start each engine without torch.compile (vLLM's enforce_eager): a faster start, "
+                             "slower steps; the default compiles, as vLLM serves")
     parser.add_argument("--methods", default=",".join(DRAFTERS),
                         help=f"drafters to compare with no speculation (default {','.join(DRAFTERS)})")
 
@@ -53,6 +57,8 @@ DEMO_KV_CACHE_BYTES = 1 << 30
 ROUNDS = 3
 HEARTBEAT_S = 25.0  # the longest the demo stays silent while it works
 ENGINE_START = "~1 min on a CPU, more the first time"
+STARTS = {False: "each takes ~1 min to start on a CPU, a few more the first time: torch.compile",
+          True: "each starts without torch.compile (--eager)"}  # keyed by --eager
 
 
 @contextlib.contextmanager
@@ -91,14 +97,15 @@ def _chat_server(base: str, prompt: str, max_tokens: int, top2: bool = False) ->
     return reply
 
 
-def _measure_server(name: str, target: str, spec: dict | None, max_tokens: int) -> dict:
+def _measure_server(name: str, target: str, spec: dict | None, max_tokens: int, eager: bool) -> dict:
     from vllm_edsd.launch.server import running_server, served_spec_counters
 
     with contextlib.ExitStack() as stack:
         with heartbeat(f"{name}: starting vLLM's server", expect=ENGINE_START):
             base = stack.enter_context(
                 running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE,
-                                                         "--kv-cache-memory-bytes", str(DEMO_KV_CACHE_BYTES)]))
+                                                         "--kv-cache-memory-bytes", str(DEMO_KV_CACHE_BYTES)],
+                               eager=eager))
             _chat_server(base, "Hello!", 8)  # warm-up
         with heartbeat(f"{name}: {len(DEMO_PROMPTS)} prompts, one at a time, {ROUNDS} rounds"):
             before = served_spec_counters(base)
@@ -130,7 +137,7 @@ def _result(rounds: list[list[dict]], speeds: list[float], counters, margins: li
             "margins": margins}
 
 
-def _measure_offline(name: str, target: str, spec: dict | None, max_tokens: int) -> dict:
+def _measure_offline(name: str, target: str, spec: dict | None, max_tokens: int, eager: bool) -> dict:
     from vllm import SamplingParams
 
     from vllm_edsd.launch.engine import llm_session, spec_counters
@@ -141,7 +148,7 @@ def _measure_offline(name: str, target: str, spec: dict | None, max_tokens: int)
     with contextlib.ExitStack() as stack:
         with heartbeat(f"{name}: starting vLLM's engine", expect=ENGINE_START):
             llm = stack.enter_context(llm_session(target, spec, dtype=DEMO_DTYPE,
-                                                  kv_cache_memory_bytes=DEMO_KV_CACHE_BYTES))
+                                                  kv_cache_memory_bytes=DEMO_KV_CACHE_BYTES, enforce_eager=eager))
             chat("Hello!", SamplingParams(max_tokens=8))
         stack.enter_context(heartbeat(f"{name}: {len(DEMO_PROMPTS)} prompts, one at a time, {ROUNDS} rounds"))
         before, greedy = spec_counters(llm), SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -199,16 +206,16 @@ def run(args: argparse.Namespace) -> int:
         raise EDSDError(f"--methods: expected {' and/or '.join(DRAFTERS)}, got {args.methods!r}")
     print(f"target: {paths['target']}\n" + "".join(f"{m} drafter: {paths[m]}\n" for m in methods)
           + f"serving through {how}, {DEMO_DTYPE}, K={args.k}, greedy, batch size 1; one engine per method "
-          f"(each takes ~1 min to start on a CPU, a few more the first time: torch.compile)\n")
-    results = {"none": measure("none", paths["target"], None, args.max_tokens)}
+          f"({STARTS[args.eager]})\n")
+    results = {"none": measure("none", paths["target"], None, args.max_tokens, args.eager)}
     for method in methods:
         results[method] = measure(
-            method, paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens
+            method, paths["target"], speculative_config(method, paths[method], args.k), args.max_tokens, args.eager
         )
     shown = EDSD if EDSD in results else methods[0]
     for (kind, prompt), text in zip(DEMO_PROMPTS, results[shown]["texts"]):
         print(f"--- [{kind}] {prompt}\n{text.strip()}\n")
-    print(summary(results, args.k))
+    print(summary(results, args.k, args.eager))
     return 0
 
 
@@ -229,9 +236,10 @@ def differences(results: dict[str, dict]) -> list[str]:
     return lines
 
 
-def summary(results: dict[str, dict], k: int) -> str:
+def summary(results: dict[str, dict], k: int, eager: bool = False) -> str:
     """One table: tau, acceptance per position, tokens/s and speed-up against no speculation,
-    and where a reply differs from the target's, why."""
+    and where a reply differs from the target's, why; ``eager``: the engines ran without
+    torch.compile, which the note says."""
     plain = results["none"]
     rows = [f"{'method':<8}{'tau':>6}  {'acceptance per position':<26}{'tokens/s':>9}{'speed-up':>10}  same text"]
     for method, r in results.items():
@@ -248,9 +256,10 @@ def summary(results: dict[str, dict], k: int) -> str:
         rows.append(f"{method:<8}{tau:>6}  {per_pos:<26}{r['tokens_per_s']:>9.1f}"
                     f"{r['tokens_per_s'] / plain['tokens_per_s']:>9.2f}x  {same}")
     rule = "=" * len(rows[0])
-    note = (f"{DEMO_DTYPE}, K={k}, temperature 0, batch size 1, {len(DEMO_PROMPTS)} prompts (chat and code) not seen "
-            f"in training, sent {ROUNDS} times; tokens/s: the median round's.\n'same text': token ids identical to "
-            "the target alone's, in every round.")
+    engines = ", eager (no torch.compile)" if eager else ""
+    note = (f"{DEMO_DTYPE}{engines}, K={k}, temperature 0, batch size 1, {len(DEMO_PROMPTS)} prompts (chat and code) "
+            f"not seen in training, sent {ROUNDS} times; tokens/s: the median round's.\n'same text': token ids "
+            "identical to the target alone's, in every round.")
     rounds = [f"{method} {' '.join(f'{v:.1f}' for v in r['rounds_tokens_per_s'])}"
               for method, r in results.items() if r.get("rounds_tokens_per_s")]
     spread = [f"tokens/s per round: {'; '.join(rounds)}"] if rounds else []
