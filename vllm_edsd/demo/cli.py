@@ -56,7 +56,7 @@ DEMO_KV_CACHE_BYTES = 1 << 30
 # EAGLE-3 0.90x to 1.11x in single rounds of fresh clones, docs/results.md "The demo").
 ROUNDS = 3
 HEARTBEAT_S = 25.0  # the longest the demo stays silent while it works
-ENGINE_START = "~1 min on a CPU, more the first time"
+ENGINE_START = {False: "~1 min on a CPU, more the first time", True: "~30 s on a CPU"}  # keyed by --eager
 STARTS = {False: "each takes ~1 min to start on a CPU, a few more the first time: torch.compile",
           True: "each starts without torch.compile (--eager)"}  # keyed by --eager
 
@@ -101,7 +101,7 @@ def _measure_server(name: str, target: str, spec: dict | None, max_tokens: int, 
     from vllm_edsd.launch.server import running_server, served_spec_counters
 
     with contextlib.ExitStack() as stack:
-        with heartbeat(f"{name}: starting vLLM's server", expect=ENGINE_START):
+        with heartbeat(f"{name}: starting vLLM's server", expect=ENGINE_START[eager]):
             base = stack.enter_context(
                 running_server(target, spec, extra_args=["--served-model-name", "demo", "--dtype", DEMO_DTYPE,
                                                          "--kv-cache-memory-bytes", str(DEMO_KV_CACHE_BYTES)],
@@ -146,7 +146,7 @@ def _measure_offline(name: str, target: str, spec: dict | None, max_tokens: int,
         return llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0].outputs[0]
 
     with contextlib.ExitStack() as stack:
-        with heartbeat(f"{name}: starting vLLM's engine", expect=ENGINE_START):
+        with heartbeat(f"{name}: starting vLLM's engine", expect=ENGINE_START[eager]):
             llm = stack.enter_context(llm_session(target, spec, dtype=DEMO_DTYPE,
                                                   kv_cache_memory_bytes=DEMO_KV_CACHE_BYTES, enforce_eager=eager))
             chat("Hello!", SamplingParams(max_tokens=8))
