@@ -57,8 +57,6 @@ DEMO_KV_CACHE_BYTES = 1 << 30
 ROUNDS = 3
 HEARTBEAT_S = 25.0  # the longest the demo stays silent while it works
 ENGINE_START = {False: "~1 min on a CPU, more the first time", True: "~30 s on a CPU"}  # keyed by --eager
-STARTS = {False: "each takes ~1 min to start on a CPU, a few more the first time: torch.compile",
-          True: "each starts without torch.compile (--eager)"}  # keyed by --eager
 
 
 @contextlib.contextmanager
@@ -206,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         raise EDSDError(f"--methods: expected {' and/or '.join(DRAFTERS)}, got {args.methods!r}")
     print(f"target: {paths['target']}\n" + "".join(f"{m} drafter: {paths[m]}\n" for m in methods)
           + f"serving through {how}, {DEMO_DTYPE}, K={args.k}, greedy, batch size 1; one engine per method "
-          f"({STARTS[args.eager]})\n")
+          f"(each starts in {ENGINE_START[args.eager]}{'' if args.eager else ': torch.compile'})\n")
     results = {"none": measure("none", paths["target"], None, args.max_tokens, args.eager)}
     for method in methods:
         results[method] = measure(
