@@ -136,10 +136,7 @@ def prefix_cache(llm) -> dict[str, int]:
 
 
 def main(job_path: str, out_path: str) -> None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from vllm_edsd.launch.engine import make_llm, spec_counters
+    from vllm_edsd.launch.engine import make_llm
 
     job = json.loads(open(job_path).read())
     # The engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a second process
@@ -153,53 +150,63 @@ def main(job_path: str, out_path: str) -> None:
     if job.get("speculative_config") and job["speculative_config"]["method"] in ("edsd", "eagle3"):
         result["greedy_samplers"] = llm.collective_rpc(_greedy_sampler)  # one per rank
     for phase in job["phases"]:
-        # One SamplingParams for the phase, or one per prompt (a list).
-        sampling = phase["sampling"]
-        params = [SamplingParams(**s) for s in sampling] if isinstance(sampling, list) else SamplingParams(**sampling)
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in phase["prompts"]]
-        record, record_batch = phase.get("record_proposals", False), phase.get("record_batch", False)
-        if record or record_batch:
-            llm.collective_rpc(_install_recorder)
-        count_forwards = phase.get("count_drafter_forwards", False)
-        if count_forwards:
-            llm.collective_rpc(_install_forward_counter)
-            llm.collective_rpc(_take_forwards)
-        before, preempted_before, cache_before = spec_counters(llm), preemptions(llm), prefix_cache(llm)
-        sources_before = draft_sources(llm) if phase.get("draft_sources") else None
-        outputs, proposals, batch_steps, request_metrics, cached, forwards = [], [], [], [], [], []
-        # Recorded proposals are attributed to a prompt by running prompts one at a time
-        # (``record_batch``: the whole batch at once, each step's rows with their caps).
-        one_at_a_time = record or phase.get("one_at_a_time", False)
-        groups = [([p], [params[i]] if isinstance(params, list) else params) for i, p in enumerate(prompts)] \
-            if one_at_a_time else [(prompts, params)]
-        for group, group_params in groups:
-            for output in llm.generate(group, group_params, use_tqdm=False):
-                outputs.append(list(output.outputs[0].token_ids))
-                cached.append(getattr(output, "num_cached_tokens", None))  # prompt tokens the prefix cache held
-                # vLLM's per-request spec-decode metrics, where it has them and they are on.
-                metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
-                request_metrics.append(None if metrics is None else metrics.to_dict())
-            if record:
-                proposals.append(llm.collective_rpc(_take_recorded)[0][0])
-            if count_forwards:  # per group: per request where they run one at a time
-                forwards.append(llm.collective_rpc(_take_forwards)[0])
-        if record_batch:
-            drafts, caps = llm.collective_rpc(_take_recorded)[0]
-            batch_steps = [list(zip(c, d, strict=True)) for c, d in zip(caps, drafts, strict=True)]
-        result["phases"][phase["name"]] = {
-            "outputs": outputs,
-            "counters": (spec_counters(llm) - before).as_dict(),
-            "proposals": proposals,
-            "batch_steps": batch_steps,
-            "request_metrics": request_metrics,
-            "preemptions": preemptions(llm) - preempted_before,
-            "draft_sources": difference(draft_sources(llm), sources_before) if sources_before else None,
-            "cached_tokens": cached,
-            "drafter_forwards": forwards,
-            "prefix_cache": {key: value - cache_before[key] for key, value in prefix_cache(llm).items()},
-        }
+        result["phases"][phase["name"]] = run_phase(llm, phase)
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def run_phase(llm, phase: dict) -> dict:
+    """One phase's prompts through ``llm``: the outputs, and what the phase asked to record of them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_edsd.launch.engine import spec_counters
+
+    # One SamplingParams for the phase, or one per prompt (a list).
+    sampling = phase["sampling"]
+    params = [SamplingParams(**s) for s in sampling] if isinstance(sampling, list) else SamplingParams(**sampling)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in phase["prompts"]]
+    record, record_batch = phase.get("record_proposals", False), phase.get("record_batch", False)
+    if record or record_batch:
+        llm.collective_rpc(_install_recorder)
+    count_forwards = phase.get("count_drafter_forwards", False)
+    if count_forwards:
+        llm.collective_rpc(_install_forward_counter)
+        llm.collective_rpc(_take_forwards)
+    before, preempted_before, cache_before = spec_counters(llm), preemptions(llm), prefix_cache(llm)
+    sources_before = draft_sources(llm) if phase.get("draft_sources") else None
+    outputs, proposals, batch_steps, request_metrics, cached, forwards = [], [], [], [], [], []
+    # Recorded proposals are attributed to a prompt by running prompts one at a time
+    # (``record_batch``: the whole batch at once, each step's rows with their caps).
+    one_at_a_time = record or phase.get("one_at_a_time", False)
+    groups = [([p], [params[i]] if isinstance(params, list) else params) for i, p in enumerate(prompts)] \
+        if one_at_a_time else [(prompts, params)]
+    for group, group_params in groups:
+        for output in llm.generate(group, group_params, use_tqdm=False):
+            outputs.append(list(output.outputs[0].token_ids))
+            cached.append(getattr(output, "num_cached_tokens", None))  # prompt tokens the prefix cache held
+            # vLLM's per-request spec-decode metrics, where it has them and they are on.
+            metrics = getattr(output.outputs[0], "spec_decode_metrics", None)
+            request_metrics.append(None if metrics is None else metrics.to_dict())
+        if record:
+            proposals.append(llm.collective_rpc(_take_recorded)[0][0])
+        if count_forwards:  # per group: per request where they run one at a time
+            forwards.append(llm.collective_rpc(_take_forwards)[0])
+    if record_batch:
+        drafts, caps = llm.collective_rpc(_take_recorded)[0]
+        batch_steps = [list(zip(c, d, strict=True)) for c, d in zip(caps, drafts, strict=True)]
+    return {
+        "outputs": outputs,
+        "counters": (spec_counters(llm) - before).as_dict(),
+        "proposals": proposals,
+        "batch_steps": batch_steps,
+        "request_metrics": request_metrics,
+        "preemptions": preemptions(llm) - preempted_before,
+        "draft_sources": difference(draft_sources(llm), sources_before) if sources_before else None,
+        "cached_tokens": cached,
+        "drafter_forwards": forwards,
+        "prefix_cache": {key: value - cache_before[key] for key, value in prefix_cache(llm).items()},
+    }
 
 
 def serve_forks() -> None:

@@ -49,47 +49,8 @@ def write_specforge_checkpoint(
     index), and a ``training_state.pt`` that must never be unpickled. Returns the tensors:
     random, or ``weights`` (SpecForge's names) where given."""
     target = json.loads((Path(target_dir) / "config.json").read_text())
-    d, m, vocab = target["hidden_size"], target["intermediate_size"], target["vocab_size"]
-    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
-    head_dim = target.get("head_dim") or d // heads
-    config = {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "attention_bias": False,
-        "hidden_size": d, "intermediate_size": m, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
-        "rope_theta": target.get("rope_theta", (target.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        "rope_scaling": None, "max_position_embeddings": target["max_position_embeddings"],
-        "vocab_size": vocab, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
-        "torch_dtype": "float32", "target_layer_ids": list(target_layer_ids),
-    }
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, scale=0.05):
-        return torch.randn(*shape, generator=g) * scale
-
-    def norm_weight():
-        return 0.5 + torch.rand(d, generator=g)
-
-    used = torch.linspace(0, vocab - 1, draft_vocab_size).round().long()
-    tensors = dict(weights) if weights is not None else {
-        "fc.weight": rand(d, 2 * d),
-        "embnorm.weight": norm_weight(),
-        "edfuse.gate_proj.weight": rand(m, d),
-        "edfuse.up_proj.weight": rand(m, d),
-        "edfuse.down_proj.weight": rand(d, m),
-        "midlayer.hidden_norm.weight": norm_weight(),
-        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, d),
-        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, d),
-        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, d),
-        "midlayer.self_attn.o_proj.weight": rand(d, heads * head_dim),
-        "midlayer.post_attention_layernorm.weight": norm_weight(),
-        "midlayer.mlp.gate_proj.weight": rand(m, d),
-        "midlayer.mlp.up_proj.weight": rand(m, d),
-        "midlayer.mlp.down_proj.weight": rand(d, m),
-        "norm.weight": norm_weight(),
-        "lm_head.weight": rand(draft_vocab_size, d, scale=0.2),
-        "d2t": used - torch.arange(draft_vocab_size),
-        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, used, True),
-    }
+    config = specforge_config(target, list(target_layer_ids), draft_vocab_size)
+    tensors = dict(weights) if weights is not None else random_specforge_weights(config, seed)
     if with_embedding:
         from safetensors import safe_open
 
@@ -109,6 +70,58 @@ def write_specforge_checkpoint(
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
     (out / "training_state.pt").write_bytes(pickle.dumps(_WritesMarkerWhenUnpickled(out / "UNPICKLED")))
     return tensors
+
+
+def specforge_config(target: dict, target_layer_ids: list[int], draft_vocab_size: int) -> dict:
+    """SpecForge's config.json of an EDSD drafter for ``target`` (the target's config)."""
+    d, heads = target["hidden_size"], target["num_attention_heads"]
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "attention_bias": False,
+        "hidden_size": d, "intermediate_size": target["intermediate_size"], "num_attention_heads": heads,
+        "num_key_value_heads": target["num_key_value_heads"], "head_dim": target.get("head_dim") or d // heads,
+        "num_hidden_layers": 1, "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
+        "rope_theta": target.get("rope_theta", (target.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        "rope_scaling": None, "max_position_embeddings": target["max_position_embeddings"],
+        "vocab_size": target["vocab_size"], "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "target_layer_ids": target_layer_ids,
+    }
+
+
+def random_specforge_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights of every tensor a SpecForge EDSD checkpoint holds, by SpecForge's names."""
+    d, m, vocab, draft_vocab_size = (config[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
+                                                         "draft_vocab_size"))
+    q_width, kv_width = config["num_attention_heads"] * config["head_dim"], \
+        config["num_key_value_heads"] * config["head_dim"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.05):
+        return torch.randn(*shape, generator=g) * scale
+
+    def norm_weight():
+        return 0.5 + torch.rand(d, generator=g)
+
+    used = torch.linspace(0, vocab - 1, draft_vocab_size).round().long()
+    return {
+        "fc.weight": rand(d, 2 * d),
+        "embnorm.weight": norm_weight(),
+        "edfuse.gate_proj.weight": rand(m, d),
+        "edfuse.up_proj.weight": rand(m, d),
+        "edfuse.down_proj.weight": rand(d, m),
+        "midlayer.hidden_norm.weight": norm_weight(),
+        "midlayer.self_attn.q_proj.weight": rand(q_width, d),
+        "midlayer.self_attn.k_proj.weight": rand(kv_width, d),
+        "midlayer.self_attn.v_proj.weight": rand(kv_width, d),
+        "midlayer.self_attn.o_proj.weight": rand(d, q_width),
+        "midlayer.post_attention_layernorm.weight": norm_weight(),
+        "midlayer.mlp.gate_proj.weight": rand(m, d),
+        "midlayer.mlp.up_proj.weight": rand(m, d),
+        "midlayer.mlp.down_proj.weight": rand(d, m),
+        "norm.weight": norm_weight(),
+        "lm_head.weight": rand(draft_vocab_size, d, scale=0.2),
+        "d2t": used - torch.arange(draft_vocab_size),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, used, True),
+    }
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ them says nothing about EDSD's quality.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -123,16 +124,12 @@ def _fit_to_corpus(model, tokenizer_dir: Path, steps: int, window: int = 64) -> 
     # One thread: beside the other xdist worker's engine, two OpenMP threads took 178 s for the
     # fitted target's 300 steps in CI, one thread 50 s alone; the weights are bit-identical either
     # way (2-core AMD EPYC, AVX512-BF16, float32).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         for _ in range(steps):
             loss = model(input_ids=chunks, labels=chunks).loss
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
     model.eval()
 
 
@@ -237,3 +234,14 @@ def built_by_edsd_train(target_dir: str | Path, **switches) -> DraftHead:
     t2d[:256] = True
     options = TrainOptions(target=str(target_dir), out="unused", data="unused", **switches)
     return build_model(options, load_target(target_dir), raw, (1, 3), d2t, t2d)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Torch on one CPU thread inside the block, as many as before after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

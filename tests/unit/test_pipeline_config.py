@@ -5,7 +5,6 @@ the pipeline on the demo's description, with the demo recipe's training argument
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -15,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
-from support.toy import make_target, toy_corpus
+from support.pipeline_configs import assert_same, run_results, write_config
+from support.toy import make_target, one_torch_thread, toy_corpus
 
 from vllm_edsd.checkpoint.files import finished_checkpoint
 from vllm_edsd.cli import main
@@ -39,16 +37,6 @@ def toy(tmp_path_factory) -> dict[str, Path]:
     return {"target": make_target(root / "target"), "data": data}
 
 
-@contextlib.contextmanager
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture
 def one_thread():
     """Every run of the comparison on one CPU thread (in this process and the child): the same
@@ -67,20 +55,6 @@ def finished(toy, tmp_path_factory) -> Path:
     return work
 
 
-def toml_value(value) -> str:
-    if isinstance(value, dict):  # an inline table
-        return "{" + ", ".join(f"{key} = {toml_value(v)}" for key, v in value.items()) + "}"
-    return json.dumps(value)  # strings, numbers, booleans and lists of them read the same in TOML
-
-
-def write_config(path: Path, sections: dict[str, dict]) -> Path:
-    """The sections as TOML; a key set to None is left out."""
-    path.write_text("".join(f"[{section}]\n" + "".join(f"{key} = {toml_value(v)}\n" for key, v in values.items()
-                                                       if v is not None)
-                            for section, values in sections.items()))
-    return path
-
-
 def toy_config(toy, work: Path, **changes) -> Path:
     # the unit tier starts no vLLM engine: features through transformers (test_features_extraction.py checks vLLM's)
     sections = {"target": {"path": str(toy["target"]), "features_backend": "transformers"},
@@ -89,27 +63,6 @@ def toy_config(toy, work: Path, **changes) -> Path:
     for section, values in changes.items():
         sections[section] = {**sections.get(section, {}), **values}
     return write_config(work.parent / f"{work.name}.toml", sections)
-
-
-def run_results(work: Path) -> dict:
-    """Every final tensor and every logged loss of a finished pipeline."""
-    out = {}
-    for checkpoint in ("edsd/final", "eagle3/final", "edsd-vllm"):
-        assert finished_checkpoint(work / checkpoint), checkpoint
-        out[checkpoint] = load_file(work / checkpoint / "model.safetensors")
-    for method in ("edsd", "eagle3"):
-        log = [json.loads(line) for line in (work / method / "train_log.jsonl").read_text().splitlines()]
-        out[f"{method} losses"] = [(e["epoch"], e["loss"], e["acc_per_step"]) for e in log]
-    return out
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], dict):
-            assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][t], b[key][t]) for t in a[key]), key
-        else:
-            assert a[key] == b[key], key
 
 
 def test_an_interrupted_pipeline_ends_where_an_uninterrupted_one_does(toy, finished, tmp_path, capsys, one_thread):
