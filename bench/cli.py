@@ -87,8 +87,8 @@ def engine_sizes(parser: argparse.ArgumentParser) -> None:
     """The engine suites' prompts, lengths, batches and request rates."""
     add = parser.add_argument
     add("--temperatures", default=None,
-        help="sampling temperatures, comma-separated, for acceptance and throughput (default: acceptance 0,1; "
-             "throughput 0)")
+        help="sampling temperatures, comma-separated, for acceptance, throughput and step-cost (default: acceptance "
+             "0,1; throughput and step-cost 0)")
     add("--prompts-per-category", type=int, default=None)
     add("--categories", default=",".join(CATEGORIES),
         help="prompt categories, comma-separated, for every suite but robustness (which always uses chat); for "

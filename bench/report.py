@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,15 +62,16 @@ def _step_cost(rows: list[dict]) -> list[str]:
            "start-to-start wall time; overhead: the timed generations' median wall time over the unprofiled "
            "ones'; timing cost: the scopes' own cost per step, measured apart, over the step (`python -m bench "
            "step-cost --help` defines every part).\n"]
-    for batch in sorted({r["batch_size"] for r in rows}):
-        at = [r for r in rows if r["batch_size"] == batch]
+    temperatures = sorted({r.get("temperature", 0.0) for r in rows})
+    for batch, temperature in itertools.product(sorted({r["batch_size"] for r in rows}), temperatures):
+        at = [r for r in rows if r["batch_size"] == batch and r.get("temperature", 0.0) == temperature]
         names = list(at[0]["parts_ms"])
         figures = [(name, lambda r, name=name: _fmt(r["parts_ms"][name], ".3f")) for name in names] + [
             ("**sum**", lambda r: _fmt(r["sum_ms"], ".3f")), ("**step**", lambda r: _fmt(r["step_ms"], ".3f")),
             ("sum / step", lambda r: _fmt(r["sum_over_step"], ".1%")), ("steps", lambda r: str(r["steps"])),
             ("overhead", lambda r: _fmt(r["overhead"], "+.1%")),
             ("timing cost", lambda r: _fmt(r.get("timing_cost_share"), ".2%"))]
-        out.append(f"\n### Batch {batch}\n")
+        out.append(f"\n### Batch {batch}" + (f", T={temperature:g}" if temperatures != [0.0] else "") + "\n")
         out.append(_table(["part", *(f"{r['method']} K={r['k']}" if r["method"] != "none" else "none" for r in at)],
                           [[name, *(cell(r) for r in at)] for name, cell in figures]))
     return out

@@ -3,7 +3,8 @@ draft: the scheduler, input preparation, the target forward, sampling, the draft
 vllm-edsd's hooks, output processing in the engine core and in the front end, and the rest.
 
 For each method (default: none, ngram, eagle3, edsd, eagle3+lookup, edsd+lookup) one engine
-generates at each batch size (default 1,8; greedy, ignoring EOS, float32 unless --dtype) with
+generates at each batch size (default 1,8) and temperature (--temperatures, default 0: greedy;
+above 0 the drafters sample their drafts; ignoring EOS, float32 unless --dtype) with
 its engine core and worker in the bench's own process and thread (vLLM's
 VLLM_ENABLE_V1_MULTIPROCESSING=0, started in a fresh child process per engine). There the front
 end, the scheduler and the worker run one after another, so a step's parts are disjoint slices of
@@ -277,13 +278,13 @@ def clocked(scopes: Scopes, generate) -> tuple[list[trace.Call], float]:
     return trace.call_trees(scopes.events), wall
 
 
-def batch_row(llm, trace_dir: Path, scopes: Scopes, max_tokens: int, batch: int) -> dict:
-    """The split of one batch size's decode steps: a warm-up, ``REPEATS`` unprofiled generations
-    in turn with as many timed by the clock (the times), then one under vLLM's profiler recording
-    Python calls (the proportions)."""
+def batch_row(llm, trace_dir: Path, scopes: Scopes, max_tokens: int, batch: int, temperature: float) -> dict:
+    """The split of one batch size's decode steps at one temperature: a warm-up, ``REPEATS``
+    unprofiled generations in turn with as many timed by the clock (the times), then one under
+    vLLM's profiler recording Python calls (the proportions)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     chats = load_prompts("chat", batch)
     prompts = [chats[i % len(chats)] for i in range(batch)]
 
@@ -301,7 +302,7 @@ def batch_row(llm, trace_dir: Path, scopes: Scopes, max_tokens: int, batch: int)
         timed += timed_steps(roots)
     row = split(timed, [step for step, _ in timed_steps(traced(llm, trace_dir, scopes, generate))])
     scopes_per_step, scope_cost = statistics.fmean(sum(1 for _ in step.walk()) for step, _ in timed), scopes.cost_us()
-    return {"batch_size": batch, "dtype": engine_dtype(llm), **row,
+    return {"batch_size": batch, "temperature": temperature, "dtype": engine_dtype(llm), **row,
             "engine_steps": len(trace.matching(roots, lambda c: c.name == STEP)),
             "scopes_per_step": scopes_per_step, "scope_cost_us": scope_cost,
             "timing_cost_share": scopes_per_step * scope_cost / 1e3 / row["step_ms"],
@@ -310,19 +311,21 @@ def batch_row(llm, trace_dir: Path, scopes: Scopes, max_tokens: int, batch: int)
 
 
 def measure(setup: Setup, method: str, k: int) -> list[dict]:
-    """One row per batch size of (method, K), from one engine whose core and worker run in this
-    process, a child of the bench's made for it (``install_scopes`` stays in it)."""
+    """One row per temperature and batch size of (method, K), from one engine whose core and
+    worker run in this process, a child of the bench's made for it (``install_scopes`` stays in
+    it). Drafters sample their drafts at a temperature above 0 (``draft_sample_method``
+    probabilistic, as the server's EDSD does by default)."""
     os.environ[IN_PROCESS_ENV] = "0"
     scopes = Scopes()
     install_scopes(scopes)
     dtype = {"dtype": setup.dtype} if setup.dtype else {}
     with tempfile.TemporaryDirectory(prefix="bench-step-cost-") as trace_dir:
         profiler = {"profiler": "torch", "torch_profiler_dir": trace_dir}
-        with llm_session(setup.target, method_config(setup, method, k), profiler_config=profiler,
-                         enforce_eager=setup.eager, **dtype) as llm:
-            rows = [batch_row(llm, Path(trace_dir), scopes, setup.max_tokens, batch) for batch in setup.batch_sizes]
-    return [{"suite": SUITE, "method": method, "k": k, "temperature": 0.0, "max_tokens": setup.max_tokens, **row}
-            for row in rows]
+        config = method_config(setup, method, k, draft_sample_method="probabilistic")
+        with llm_session(setup.target, config, profiler_config=profiler, enforce_eager=setup.eager, **dtype) as llm:
+            rows = [batch_row(llm, Path(trace_dir), scopes, setup.max_tokens, batch, temperature)
+                    for temperature in setup.temperatures for batch in setup.batch_sizes]
+    return [{"suite": SUITE, "method": method, "k": k, "max_tokens": setup.max_tokens, **row} for row in rows]
 
 
 def step_cost(setup: Setup, method: str, k: int) -> list[dict]:

@@ -34,9 +34,11 @@ SLACK_US = 0.01
 
 # The parts of a draft, by the functions of vLLM's EAGLE proposer (0.32) whose calls make
 # them; the first of these met on the way down a call tree claims the call, and calls inside
-# it are not counted again. The drafter's forward is the outermost nn.Module call left.
+# it are not counted again. The drafter's forward is the outermost nn.Module call left. A
+# draft step's sampling is vLLM's ``_sample_draft_tokens`` or, where the plugin hooked it, the
+# plugin's limiter around it (``sample_draft_tokens``; serving/draft_vocab.py samples inside).
 PARTS = (
-    ("logits and sampling", ("_sample_draft_tokens",)),
+    ("logits and sampling", ("_sample_draft_tokens", "sample_draft_tokens")),
     ("fc on target states", ("combine_hidden_states",)),
     ("attention metadata", ("build_per_group_and_layer_attn_metadata", "_update_positions_dependent_metadata")),
     ("input preparation", ("prepare_next_token_ids_padded", "prepare_inputs_padded", "set_inputs_first_pass",

@@ -71,10 +71,10 @@ def sampling_job(trained: dict, spec: dict | None) -> dict:
 
 @pytest.fixture(scope="session")
 def sampled(trained, engine_runs):
-    """``sampled(key, spec, env)``: the phases of ``sampling_job`` by name."""
+    """``sampled(key, spec, env)``: the run of ``sampling_job``, its phases by name."""
 
     def run(key: str, spec: dict | None, env: dict | None = None) -> dict:
-        return engine_runs(key, sampling_job(trained, spec), env)["phases"]
+        return engine_runs(key, sampling_job(trained, spec), env)
 
     return run
 
@@ -103,9 +103,12 @@ def test_sampled_output_follows_the_target_distribution(trained, sampled, method
     the prompt lookup, its one-hot drafts must make up part of what was verified."""
     model = {"edsd": trained["edsd"], "eagle3": trained["eagle3"], "draft_model": trained["target"],
              "edsd+lookup": trained["edsd"]}[method]
-    plain = continuations(sampled("t1-none", None)["sampled"])
-    phase = sampled(f"t1-{method}", speculative(method, model))["sampled"]
+    plain = continuations(sampled("t1-none", None)["phases"]["sampled"])
+    run = sampled(f"t1-{method}", speculative(method, model))
+    phase = run["phases"]["sampled"]
     speculated = continuations(phase)
+    if method != "draft_model":  # each draft step sampled in the draft vocabulary (serving/draft_vocab.py)
+        assert run["draft_samplers"] == [["DraftVocabArgmax", "DraftVocabSampling"]], run["draft_samplers"]
     if method.endswith("+lookup"):
         lookup = phase["draft_sources"]["lookup"]
         assert lookup["draft_tokens"] > 0.1 * phase["counters"]["draft_tokens"], phase["draft_sources"]
@@ -121,15 +124,15 @@ def test_the_distribution_test_detects_the_broken_expansion(trained, sampled):
     rejects: it can fail."""
     if not vllm_expansion_is_broken():
         pytest.skip("this vLLM's expansion is right: nothing to detect")
-    plain = continuations(sampled("t1-none", None)["sampled"])
+    plain = continuations(sampled("t1-none", None)["phases"]["sampled"])
     broken = continuations(sampled("t1-draft_model-unrepaired", speculative("draft_model", trained["target"]),
-                                   env={"VLLM_EDSD_DISABLE": "1"})["sampled"])
+                                   env={"VLLM_EDSD_DISABLE": "1"})["phases"]["sampled"])
     _statistic, _dof, p_value = chi_square_homogeneity(plain, broken)
     assert p_value < P_VALUE_FLOOR
 
 
 def test_target_drafting_for_itself_accepts_its_sampled_drafts(trained, sampled):
-    counters = sampled("t1-draft_model", speculative("draft_model", trained["target"]))["sampled"]["counters"]
+    counters = sampled("t1-draft_model", speculative("draft_model", trained["target"]))["phases"]["sampled"]["counters"]
     assert counters["drafts"] > 100
     assert counters["accepted"] >= 0.95 * counters["draft_tokens"], counters
 
@@ -143,7 +146,7 @@ def test_edsd_sampled_acceptance_matches_the_reference(trained, sampled):
     from vllm_edsd.methods.edsd.model import EDSDDraftModel
     from vllm_edsd.training.acceptance import first_draft_acceptance
 
-    phase = sampled("t1-edsd", speculative("edsd", trained["edsd"]))[RECORDED]
+    phase = sampled("t1-edsd", speculative("edsd", trained["edsd"]))["phases"][RECORDED]
     target = load_target(trained["target"])
     drafter = EDSDDraftModel.from_pretrained(trained["edsd"], embed_tokens=target.model.embed_tokens.weight)
     steps = accepted = 0

@@ -92,10 +92,14 @@ def _take_forwards(worker) -> int:
     return forwards
 
 
-def _greedy_sampler(worker) -> str:
-    """What the drafter's greedy sampler is: the plugin's ``DraftVocabArgmax`` where it hooked
-    the proposer (serving/draft_vocab.py), else vLLM's own method."""
-    return type(_drafter(worker)._greedy_sample).__name__
+def _draft_samplers(worker) -> list[str]:
+    """What samples the drafts, greedy and per draft step: the plugin's ``DraftVocabArgmax`` and
+    ``DraftVocabSampling`` where it hooked the proposer (serving/draft_vocab.py), else vLLM's own
+    methods (under the draft-length limiter, which wraps the draft step's sampler)."""
+    from vllm_edsd.serving.features.draft_length import limiter_of
+
+    proposer = _drafter(worker)
+    return [type(proposer._greedy_sample).__name__, type(limiter_of(proposer)._sample).__name__]
 
 
 def _take_recorded(worker) -> tuple[list, list]:
@@ -148,7 +152,7 @@ def main(job_path: str, out_path: str) -> None:
     llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
     result = {"startup_s": time.time() - start, "phases": {}}
     if job.get("speculative_config") and job["speculative_config"]["method"] in ("edsd", "eagle3"):
-        result["greedy_samplers"] = llm.collective_rpc(_greedy_sampler)  # one per rank
+        result["draft_samplers"] = llm.collective_rpc(_draft_samplers)  # one per rank
     for phase in job["phases"]:
         result["phases"][phase["name"]] = run_phase(llm, phase)
     with open(out_path, "w") as f:

@@ -1,4 +1,4 @@
-"""Greedy drafts chosen in the drafter's own vocabulary.
+"""Drafts chosen in the drafter's own vocabulary, greedy and sampled.
 
 An EAGLE-3 or EDSD drafter predicts over a draft vocabulary (4,096 tokens for the demo pair)
 that ``d2t`` maps into the target's (49,152 for the demo target). To draft the argmax, vLLM's
@@ -11,9 +11,15 @@ The argmax of the draft logits, mapped through ``d2t``, is the same token: the s
 holds those logits and ``-inf`` elsewhere, and the draft vocabulary lies in ascending target
 order (as SpecForge and ``edsd convert`` write ``d2t``), so even a tie resolves to the same
 token. ``hook`` replaces the proposer's greedy sampler on the instance with
-``DraftVocabArgmax``, which skips the full row, for both methods. Sampled
-drafts (``draft_sample_method: probabilistic`` at temperature > 0) keep vLLM's path: their
-probabilities must span the target's vocabulary for the rejection sampler.
+``DraftVocabArgmax``, which skips the full row, for both methods.
+
+Sampled drafts (``draft_sample_method: probabilistic`` at temperature > 0) take the same
+detour in vLLM: the scattered row is divided by the temperature, softmaxed, given exponential
+noise and copied, all at the target's size, though every entry outside the draft vocabulary has
+probability 0. ``DraftVocabSampling`` samples with vLLM's own ``_sample_from_logits`` over the
+draft vocabulary and only then places the probabilities into a row of the target's size, which
+the rejection sampler reads: the same distribution of drafts and the same probabilities (up to
+float rounding of the softmax's sum), a tenth of the work per draft step.
 """
 
 from __future__ import annotations
@@ -47,13 +53,40 @@ class DraftVocabArgmax:
         return draft_ids + self.model.draft_id_to_target_id[draft_ids]
 
 
+class DraftVocabSampling:
+    """The proposer's ``_sample_draft_tokens``: vLLM's sampling of drafts (greedy or sampled, by
+    its ``_sample_from_logits``) over the draft vocabulary, mapped to the target's ids, with the
+    sampled drafts' probabilities placed in a row of the target's vocabulary. Falls back to
+    vLLM's own where the logits processor hands this rank none."""
+
+    def __init__(self, proposer: Any, model: Any, sample_draft_tokens: Callable) -> None:
+        self.proposer, self.model, self.sample_draft_tokens = proposer, model, sample_draft_tokens
+        self.vocab_size = model.config.vocab_size
+        offsets = model.draft_id_to_target_id
+        self.target_ids = torch.arange(len(offsets), device=offsets.device) + offsets
+
+    def __call__(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = draft_vocab_logits(self.model, hidden_states)
+        if logits is None:
+            return self.sample_draft_tokens(hidden_states, sampling_metadata)
+        draft_ids, draft_probs = self.proposer._sample_from_logits(logits, sampling_metadata)
+        target_ids = self.target_ids[draft_ids]
+        if draft_probs is None:  # greedy drafts: vLLM's rejection sampler needs no probabilities
+            return target_ids, None
+        probs = draft_probs.new_zeros(draft_probs.shape[0], self.vocab_size)
+        probs.index_copy_(1, self.target_ids, draft_probs)
+        return target_ids, probs
+
+
 def hook(proposer: Any, model: Any) -> bool:
-    """Draft the argmax in the draft vocabulary where the drafter has one of its own and vLLM's
-    proposer would scatter it; whether it did. Left to vLLM: a drafter over the target's whole
+    """Draft in the draft vocabulary where the drafter has one of its own and vLLM's proposer
+    would scatter it: the argmax (``_greedy_sample``) and every draft step's sampling
+    (``_sample_draft_tokens``); whether it did. Left to vLLM: a drafter over the target's whole
     vocabulary, vLLM's local argmax reduction and heterogeneous vocabularies (their own paths)."""
     if getattr(model, "draft_id_to_target_id", None) is None or not hasattr(model, "lm_head"):
         return False
     if getattr(proposer, "use_local_argmax_reduction", False) or getattr(proposer, "use_heterogeneous_vocab", False):
         return False
     proposer._greedy_sample = DraftVocabArgmax(model, proposer._greedy_sample)
+    proposer._sample_draft_tokens = DraftVocabSampling(proposer, model, proposer._sample_draft_tokens)
     return True

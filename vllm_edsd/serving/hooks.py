@@ -74,8 +74,8 @@ def advise_cpu_dtype(dtype: str) -> None:
 def attach(proposer: Any) -> None:
     """Hook a loaded V1 EAGLE-family proposer with the draft-length limiter (per-request caps;
     the adaptive rule too when it drives an EDSD drafter whose config asks for it; the prompt
-    lookup where the speculative config asks for it), and its greedy drafts with the argmax in
-    the draft vocabulary (``draft_vocab``)."""
+    lookup where the speculative config asks for it), and its drafts with sampling in the draft
+    vocabulary (``draft_vocab``)."""
     from vllm_edsd.methods.edsd.vllm_model import EDSDLlamaForCausalLM  # imports vLLM: only once an engine loads
 
     if draft_length.limiter_of(proposer) is not None:
@@ -86,11 +86,11 @@ def attach(proposer: Any) -> None:
     if settings is not None and getattr(proposer, "use_local_argmax_reduction", False):
         raise EDSDError(f"{draft_length.ENABLE!r} needs the drafter's full logits: remove use_local_argmax_reduction")
     data_parallel = proposer.vllm_config.parallel_config.data_parallel_size > 1
+    draft_vocab.hook(proposer, model)  # first: the limiter wraps the draft-vocabulary sampling
     limiter = draft_length.DraftLengthLimiter(proposer, model, settings, data_parallel)
     prompt_lookup = lookup.PromptLookup.of(proposer.vllm_config.speculative_config)
     if prompt_lookup is not None:
         limiter.lookup = lookup.LookupDrafting(prompt_lookup)
-    draft_vocab.hook(proposer, model)
 
 
 def hooked_proposer_loading(original: Callable) -> Callable:

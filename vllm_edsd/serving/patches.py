@@ -114,6 +114,17 @@ PATCHES: tuple[Patch, ...] = (
                   "logits into the target's vocabulary first: the same token, without a row of the target's size per "
                   "draft step", where=("vllm_edsd/serving/draft_vocab.py:hook",),
                   when=_HOOKED[:-len(" (attach)")] + " whose drafter has a vocabulary of its own (attach)"),
+    Patch.made_by(INSTANCE_HOOK, _PROPOSER, "_sample_draft_tokens",
+                  "sample each draft step's token in the drafter's own vocabulary (vLLM's sampling, its temperature "
+                  "and noise), then place the sampled drafts' probabilities in a row of the target's vocabulary for "
+                  "the rejection sampler: the same distribution, without the softmax and noise over the target's "
+                  "vocabulary per draft step", where=("vllm_edsd/serving/draft_vocab.py:hook",),
+                  when=_HOOKED[:-len(" (attach)")] + " whose drafter has a vocabulary of its own (attach)"),
+    Patch.made_by(PRIVATE, _PROPOSER, "_sample_from_logits",
+                  "vLLM's own sampling of drafts from logits (greedy or with the request's temperature), called on "
+                  "the draft vocabulary's logits",
+                  where=("vllm_edsd/serving/draft_vocab.py:DraftVocabSampling.__call__",),
+                  when="every draft step of a proposer the draft vocabulary's hook hooked"),
     Patch.made_by(EXCEPTION, _PROPOSER, "propose",
                   "end vLLM's draft loop once no request of the batch can draft further: the sampling hook raises "
                   "StopDrafting, the propose hook catches it",
