@@ -46,6 +46,8 @@ _LIMITER = f"{_DRAFT_LENGTH}:DraftLengthLimiter"
 _LOOKUP = "vllm_edsd/serving/features/lookup.py"
 _USER_ERRORS = ("vllm_edsd/serving/user_errors.py:errors_for_the_user",)
 _HOOKED = "when a V1 EAGLE-family proposer loads (attach)"
+_DRAFT_VOCAB_HOOKED = "when a V1 EAGLE-family proposer loads whose drafter has a vocabulary of its own (attach)"
+_DRAFT_VOCAB_HOOK = ("vllm_edsd/serving/draft_vocab.py:hook",)
 _LOOKUP_ON = "with \"prompt_lookup_min\"/\"prompt_lookup_max\" in an \"edsd\" or \"eagle3\" config"
 _DRAFTER_CONFIG = "vllm.config:ModelConfig.hf_config"  # the drafter's: SpeculativeConfig.draft_model_config
 _DRAFT_MODEL_INIT = (source_path(EDSD_METHOD.vllm_model) + ".__init__",)
@@ -112,14 +114,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, "_greedy_sample",
                   "draft the argmax over the drafter's own vocabulary, mapped through d2t, instead of scattering its "
                   "logits into the target's vocabulary first: the same token, without a row of the target's size per "
-                  "draft step", where=("vllm_edsd/serving/draft_vocab.py:hook",),
-                  when=_HOOKED[:-len(" (attach)")] + " whose drafter has a vocabulary of its own (attach)"),
+                  "draft step", where=_DRAFT_VOCAB_HOOK, when=_DRAFT_VOCAB_HOOKED),
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, "_sample_draft_tokens",
                   "sample each draft step's token in the drafter's own vocabulary (vLLM's sampling, its temperature "
                   "and noise), then place the sampled drafts' probabilities in a row of the target's vocabulary for "
                   "the rejection sampler: the same distribution, without the softmax and noise over the target's "
-                  "vocabulary per draft step", where=("vllm_edsd/serving/draft_vocab.py:hook",),
-                  when=_HOOKED[:-len(" (attach)")] + " whose drafter has a vocabulary of its own (attach)"),
+                  "vocabulary per draft step", where=_DRAFT_VOCAB_HOOK, when=_DRAFT_VOCAB_HOOKED),
     Patch.made_by(PRIVATE, _PROPOSER, "_sample_from_logits",
                   "vLLM's own sampling of drafts from logits (greedy or with the request's temperature), called on "
                   "the draft vocabulary's logits",
