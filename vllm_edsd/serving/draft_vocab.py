@@ -19,7 +19,8 @@ noise and copied, all at the target's size, though every entry outside the draft
 probability 0. ``DraftVocabSampling`` samples with vLLM's own ``_sample_from_logits`` over the
 draft vocabulary and only then places the probabilities into a row of the target's size, which
 the rejection sampler reads: the same distribution of drafts and the same probabilities (up to
-float rounding of the softmax's sum), a tenth of the work per draft step.
+float rounding of the softmax's sum), with the softmax and noise over 4,096 entries instead of
+49,152 for the demo pair (docs/results.md: 4.3 against 1.05 ms of a decode step at T=1, K=4).
 """
 
 from __future__ import annotations
