@@ -92,14 +92,13 @@ def _take_forwards(worker) -> int:
     return forwards
 
 
-def _draft_samplers(worker) -> list[str]:
-    """What samples the drafts, greedy and per draft step: the plugin's ``DraftVocabArgmax`` and
-    ``DraftVocabSampling`` where it hooked the proposer (serving/draft_vocab.py), else vLLM's own
-    methods (under the draft-length limiter, which wraps the draft step's sampler)."""
+def _draft_sampler(worker) -> str:
+    """What samples each draft step: the plugin's ``DraftVocabSampling`` where it hooked the
+    proposer (serving/draft_vocab.py), else vLLM's own method (under the draft-length limiter,
+    which wraps the draft step's sampler)."""
     from vllm_edsd.serving.features.draft_length import limiter_of
 
-    proposer = _drafter(worker)
-    return [type(proposer._greedy_sample).__name__, type(limiter_of(proposer)._sample).__name__]
+    return type(limiter_of(_drafter(worker))._sample).__name__
 
 
 def _take_recorded(worker) -> tuple[list, list]:
@@ -152,7 +151,7 @@ def main(job_path: str, out_path: str) -> None:
     llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
     result = {"startup_s": time.time() - start, "phases": {}}
     if job.get("speculative_config") and job["speculative_config"]["method"] in ("edsd", "eagle3"):
-        result["draft_samplers"] = llm.collective_rpc(_draft_samplers)  # one per rank
+        result["draft_samplers"] = llm.collective_rpc(_draft_sampler)  # one per rank
     for phase in job["phases"]:
         result["phases"][phase["name"]] = run_phase(llm, phase)
     with open(out_path, "w") as f:

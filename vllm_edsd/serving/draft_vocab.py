@@ -1,26 +1,22 @@
 """Drafts chosen in the drafter's own vocabulary, greedy and sampled.
 
 An EAGLE-3 or EDSD drafter predicts over a draft vocabulary (4,096 tokens for the demo pair)
-that ``d2t`` maps into the target's (49,152 for the demo target). To draft the argmax, vLLM's
-proposer asks the model for logits over the *target's* vocabulary: vLLM's EAGLE-3 model fills a
-row of the target's size with ``-inf``, scatters the draft logits into it, and the proposer
-takes the argmax over the whole row, on every draft step (``SpecDecodeBaseProposer._greedy_sample``,
-``Eagle3LlamaForCausalLM.compute_logits``).
+that ``d2t`` maps into the target's (49,152 for the demo target). vLLM's proposer samples each
+draft step (``SpecDecodeBaseProposer._sample_draft_tokens``) from logits over the *target's*
+vocabulary: vLLM's EAGLE-3 model fills a row of the target's size with ``-inf`` and scatters the
+draft logits into it (``Eagle3LlamaForCausalLM.compute_logits``); the proposer then takes the
+argmax over the whole row (greedy drafts) or divides it by the temperature, softmaxes it, gives
+it exponential noise and copies it (``draft_sample_method: probabilistic`` at temperature > 0),
+every entry outside the draft vocabulary carrying probability 0.
 
-The argmax of the draft logits, mapped through ``d2t``, is the same token: the scattered row
-holds those logits and ``-inf`` elsewhere, and the draft vocabulary lies in ascending target
-order (as SpecForge and ``edsd convert`` write ``d2t``), so even a tie resolves to the same
-token. ``hook`` replaces the proposer's greedy sampler on the instance with
-``DraftVocabArgmax``, which skips the full row, for both methods.
-
-Sampled drafts (``draft_sample_method: probabilistic`` at temperature > 0) take the same
-detour in vLLM: the scattered row is divided by the temperature, softmaxed, given exponential
-noise and copied, all at the target's size, though every entry outside the draft vocabulary has
-probability 0. ``DraftVocabSampling`` samples with vLLM's own ``_sample_from_logits`` over the
-draft vocabulary and only then places the probabilities into a row of the target's size, which
-the rejection sampler reads: the same distribution of drafts and the same probabilities (up to
-float rounding of the softmax's sum), with the softmax and noise over 4,096 entries instead of
-49,152 for the demo pair (docs/results.md: 4.3 against 1.05 ms of a decode step at T=1, K=4).
+``hook`` replaces that sampler on the instance with ``DraftVocabSampling``, for both methods: vLLM's
+own ``_sample_from_logits`` on the draft vocabulary's logits, the tokens mapped through ``d2t``, and
+sampled drafts' probabilities placed in a zeroed row of the target's size, which the rejection
+sampler reads. The greedy draft is the same token (the draft vocabulary lies in ascending target
+order, as SpecForge and ``edsd convert`` write ``d2t``, so even a tie resolves alike); sampled
+drafts have the same distribution and the same probabilities up to float rounding of the softmax's
+sum, with the softmax and noise over 4,096 entries instead of 49,152 for the demo pair
+(docs/results.md: 4.3 against 1.05 ms of a decode step at T=1, K=4).
 """
 
 from __future__ import annotations
@@ -39,26 +35,11 @@ def draft_vocab_logits(model: Any, hidden_states: torch.Tensor) -> torch.Tensor 
     return own(hidden_states) if own is not None else model.logits_processor(model.lm_head, hidden_states)
 
 
-class DraftVocabArgmax:
-    """The proposer's ``_greedy_sample``: the argmax over the draft vocabulary, mapped to the
-    target's ids. Falls back to vLLM's own where the logits processor hands this rank none."""
-
-    def __init__(self, model: Any, greedy_sample: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.model, self.greedy_sample = model, greedy_sample
-
-    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = draft_vocab_logits(self.model, hidden_states)
-        if logits is None:
-            return self.greedy_sample(hidden_states)
-        draft_ids = logits.argmax(dim=-1)
-        return draft_ids + self.model.draft_id_to_target_id[draft_ids]
-
-
 class DraftVocabSampling:
-    """The proposer's ``_sample_draft_tokens``: vLLM's sampling of drafts (greedy or sampled, by
-    its ``_sample_from_logits``) over the draft vocabulary, mapped to the target's ids, with the
-    sampled drafts' probabilities placed in a row of the target's vocabulary. Falls back to
-    vLLM's own where the logits processor hands this rank none."""
+    """The proposer's ``_sample_draft_tokens``: vLLM's sampling of drafts (the argmax, or with the
+    request's temperature, by its ``_sample_from_logits``) over the draft vocabulary, mapped to
+    the target's ids, with sampled drafts' probabilities placed in a row of the target's
+    vocabulary. Falls back to vLLM's own where the logits processor hands this rank none."""
 
     def __init__(self, proposer: Any, model: Any, sample_draft_tokens: Callable) -> None:
         self.proposer, self.model, self.sample_draft_tokens = proposer, model, sample_draft_tokens
@@ -80,14 +61,13 @@ class DraftVocabSampling:
 
 
 def hook(proposer: Any, model: Any) -> bool:
-    """Draft in the draft vocabulary where the drafter has one of its own and vLLM's proposer
-    would scatter it: the argmax (``_greedy_sample``) and every draft step's sampling
-    (``_sample_draft_tokens``); whether it did. Left to vLLM: a drafter over the target's whole
-    vocabulary, vLLM's local argmax reduction and heterogeneous vocabularies (their own paths)."""
+    """Sample every draft step in the draft vocabulary (``_sample_draft_tokens``) where the
+    drafter has one of its own and vLLM's proposer would scatter it; whether it did. Left to
+    vLLM: a drafter over the target's whole vocabulary, vLLM's local argmax reduction and
+    heterogeneous vocabularies (their own paths)."""
     if getattr(model, "draft_id_to_target_id", None) is None or not hasattr(model, "lm_head"):
         return False
     if getattr(proposer, "use_local_argmax_reduction", False) or getattr(proposer, "use_heterogeneous_vocab", False):
         return False
-    proposer._greedy_sample = DraftVocabArgmax(model, proposer._greedy_sample)
     proposer._sample_draft_tokens = DraftVocabSampling(proposer, model, proposer._sample_draft_tokens)
     return True

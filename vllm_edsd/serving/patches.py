@@ -111,15 +111,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, draft_length.LIMITER_ATTRIBUTE,
                   "the proposer's limiter, which the runner hands each request's cap and a second load_model finds",
                   where=(f"{_LIMITER}.__init__", f"{_DRAFT_LENGTH}:limiter_of"), when=_HOOKED),
-    Patch.made_by(INSTANCE_HOOK, _PROPOSER, "_greedy_sample",
-                  "draft the argmax over the drafter's own vocabulary, mapped through d2t, instead of scattering its "
-                  "logits into the target's vocabulary first: the same token, without a row of the target's size per "
-                  "draft step", where=_DRAFT_VOCAB_HOOK, when=_DRAFT_VOCAB_HOOKED),
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, "_sample_draft_tokens",
-                  "sample each draft step's token in the drafter's own vocabulary (vLLM's sampling, its temperature "
-                  "and noise), then place the sampled drafts' probabilities in a row of the target's vocabulary for "
-                  "the rejection sampler: the same distribution, without the softmax and noise over the target's "
-                  "vocabulary per draft step", where=_DRAFT_VOCAB_HOOK, when=_DRAFT_VOCAB_HOOKED),
+                  "draft in the drafter's own vocabulary, mapped through d2t (vLLM's sampling: the argmax, or its "
+                  "temperature and noise), sampled drafts' probabilities then placed in a row of the target's "
+                  "vocabulary for the rejection sampler: the same token or distribution, without a row of the "
+                  "target's size per draft step", where=_DRAFT_VOCAB_HOOK, when=_DRAFT_VOCAB_HOOKED),
     Patch.made_by(PRIVATE, _PROPOSER, "_sample_from_logits",
                   "vLLM's own sampling of drafts from logits (greedy or with the request's temperature), called on "
                   "the draft vocabulary's logits",

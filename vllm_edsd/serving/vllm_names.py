@@ -131,7 +131,6 @@ PATCHED: tuple[VllmName, ...] = (
     VllmName(_PROPOSER, "_sample_draft_tokens", _LIMITER, "self, hidden_states, sampling_metadata",
              used_as=(_EAGLE_PROPOSER,)),
     VllmName(_PROPOSER, LIMITER_ATTRIBUTE, _LIMITER, absent=True, used_as=(_EAGLE_PROPOSER,)),
-    VllmName(_PROPOSER, "_greedy_sample", _DRAFT_VOCAB, "self, hidden_states", used_as=(_EAGLE_PROPOSER,)),
     # the override: vLLM's connector calls it as it calls its own
     VllmName(_CONNECTOR_CLASS, "_submit_async_write", _CONNECTOR, "self, pending", optional=_EXTRACTION),
     # config attributes on the drafter's hf_config
