@@ -46,8 +46,6 @@ _LIMITER = f"{_DRAFT_LENGTH}:DraftLengthLimiter"
 _LOOKUP = "vllm_edsd/serving/features/lookup.py"
 _USER_ERRORS = ("vllm_edsd/serving/user_errors.py:errors_for_the_user",)
 _HOOKED = "when a V1 EAGLE-family proposer loads (attach)"
-_DRAFT_VOCAB_HOOKED = "when a V1 EAGLE-family proposer loads whose drafter has a vocabulary of its own (attach)"
-_DRAFT_VOCAB_HOOK = ("vllm_edsd/serving/draft_vocab.py:hook",)
 _LOOKUP_ON = "with \"prompt_lookup_min\"/\"prompt_lookup_max\" in an \"edsd\" or \"eagle3\" config"
 _DRAFTER_CONFIG = "vllm.config:ModelConfig.hf_config"  # the drafter's: SpeculativeConfig.draft_model_config
 _DRAFT_MODEL_INIT = (source_path(EDSD_METHOD.vllm_model) + ".__init__",)
@@ -115,7 +113,8 @@ PATCHES: tuple[Patch, ...] = (
                   "draft in the drafter's own vocabulary, mapped through d2t (vLLM's sampling: the argmax, or its "
                   "temperature and noise), sampled drafts' probabilities then placed in a row of the target's "
                   "vocabulary for the rejection sampler: the same token or distribution, without a row of the "
-                  "target's size per draft step", where=_DRAFT_VOCAB_HOOK, when=_DRAFT_VOCAB_HOOKED),
+                  "target's size per draft step", where=("vllm_edsd/serving/draft_vocab.py:hook",),
+                  when="when a V1 EAGLE-family proposer loads whose drafter has a vocabulary of its own (attach)"),
     Patch.made_by(PRIVATE, _PROPOSER, "_sample_from_logits",
                   "vLLM's own sampling of drafts from logits (greedy or with the request's temperature), called on "
                   "the draft vocabulary's logits",
