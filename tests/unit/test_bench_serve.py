@@ -74,3 +74,22 @@ def test_the_report_compares_each_server_with_none_at_its_dtype_and_at_the_first
     lines = render(results).splitlines()
     assert "| edsd K=4 | auto (bfloat16) | 5.0 | 0.50x | 0.50x | 1.50 | 200.0 ms |" in lines
     assert "| edsd K=4 | float32 (float32) | 25.0 | 1.25x | 2.50x | 1.60 | 40.0 ms |" in lines
+
+
+def test_rounds_report_each_server_over_its_rounds_and_per_round():
+    """Two rounds: a server's tok/s is its tokens over its time, τ its rounds' counters together."""
+    def row(label, turn, tokens, seconds, accepted=0, drafts=0):
+        return {"label": label, "dtype": "auto", "served_dtype": "bfloat16", "round": turn,
+                "total_output_tokens": tokens, "duration": seconds, "output_throughput": tokens / seconds,
+                "mean_tpot_ms": 1000 * seconds / tokens,
+                "counters": {"accepted": accepted, "drafts": drafts, "tau": 1 + accepted / drafts if drafts else None}}
+
+    results = {"machine": {"processor": "CPU", "cpu_instruction_set": "avx2", "cores": 2, "vllm": "0.32.0"},
+               "command": "python -m bench serve --out x --rounds 2", "num_prompts": 24, "output_len": 128,
+               "speculative_configs": {"edsd K=4": {"method": "edsd"}},
+               "runs": [row(NONE, 1, 100, 10), row("edsd K=4", 1, 100, 5, 50, 100),
+                        row("edsd K=4", 2, 300, 5, 150, 100), row(NONE, 2, 100, 10)]}
+    lines = render(results).splitlines()
+    assert "| none | auto (bfloat16) | 10.0 | 10.0 / 10.0 | - | - | - | 100.0 ms |" in lines
+    assert "| edsd K=4 | auto (bfloat16) | 40.0 | 20.0 / 60.0 | 4.00x | 4.00x | 2.00 | 33.3 ms |" in lines
+    assert any("every server 2 times, in alternating order" in line for line in lines)
