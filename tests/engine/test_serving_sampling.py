@@ -109,6 +109,8 @@ def test_sampled_output_follows_the_target_distribution(trained, sampled, method
     speculated = continuations(phase)
     if method != "draft_model":  # each draft step sampled in the draft vocabulary (serving/draft_vocab.py)
         assert run["draft_samplers"] == ["DraftVocabSampling"], run["draft_samplers"]
+    # recovered tokens and sampled drafts with the plugin's noise (serving/repairs/cpu_noise.py)
+    assert run["noise_rows"] == [["sample_recovered_tokens", "compute_probs_and_sample_next_token"]]
     if method.endswith("+lookup"):
         lookup = phase["draft_sources"]["lookup"]
         assert lookup["draft_tokens"] > 0.1 * phase["counters"]["draft_tokens"], phase["draft_sources"]

@@ -101,6 +101,15 @@ def _draft_sampler(worker) -> str:
     return type(limiter_of(_drafter(worker))._sample).__name__
 
 
+def _noise_rows(worker) -> list[str]:
+    """The functions of vLLM's whose exponential noise this worker draws the plugin's way
+    (serving/repairs/cpu_noise.py: on CPU only)."""
+    from vllm_edsd.serving.patching import applied
+    from vllm_edsd.serving.repairs.cpu_noise import DRAFT_NOISE, RECOVERED_TOKEN_NOISE
+
+    return [row.attribute for row in (RECOVERED_TOKEN_NOISE, DRAFT_NOISE) if applied(row)]
+
+
 def _take_recorded(worker) -> tuple[list, list]:
     drafter = _drafter(worker)
     recorded, drafter._edsd_recorded = drafter._edsd_recorded, []
@@ -150,6 +159,8 @@ def main(job_path: str, out_path: str) -> None:
     start = time.time()
     llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
     result = {"startup_s": time.time() - start, "phases": {}}
+    if job.get("speculative_config"):
+        result["noise_rows"] = llm.collective_rpc(_noise_rows)  # one per rank
     if job.get("speculative_config") and job["speculative_config"]["method"] in ("edsd", "eagle3"):
         result["draft_samplers"] = llm.collective_rpc(_draft_sampler)  # one per rank
     for phase in job["phases"]:

@@ -32,7 +32,7 @@ from vllm_edsd.serving.patching import (
     Patch,
     source_path,
 )
-from vllm_edsd.serving.repairs import cpu_onednn, cpu_sampling
+from vllm_edsd.serving.repairs import cpu_noise, cpu_onednn, cpu_sampling
 from vllm_edsd.serving.request import checked_speculative_init, refusing_speculative_init
 
 # The one replacement on a vLLM outside the supported range, instead of the other rows.
@@ -99,6 +99,8 @@ PATCHES: tuple[Patch, ...] = (
           only_if=lambda: on_cpu() and not cpu_sampling.platform_registers_kernels(), versions="0.24–0.30"),
     cpu_sampling.EXPAND_BATCH_TO_TOKENS,
     cpu_onednn.HANDLE_RELEASE,
+    cpu_noise.RECOVERED_TOKEN_NOISE,
+    cpu_noise.DRAFT_NOISE,
     Patch.made_by(INSTANCE_HOOK, _PROPOSER, "propose",
                   "return each request's draft cut to its length (its cap, the adaptive rule); skip the drafter in "
                   "a step whose every request is capped at 0",

@@ -91,6 +91,7 @@ _LIMITER = "serving/features/draft_length.py"
 _LOOKUP = "serving/features/lookup.py"
 _CPU_SAMPLING = "serving/repairs/cpu_sampling.py"
 _CPU_ONEDNN = "serving/repairs/cpu_onednn.py"
+_CPU_NOISE = "serving/repairs/cpu_noise.py"
 _MODEL = source_path(EDSD_METHOD.vllm_model).partition(":")[0].removeprefix("vllm_edsd/")
 _CONNECTOR = "features/host_connector.py"
 _FEATURES = "features/vllm_extraction.py"
@@ -125,6 +126,11 @@ PATCHED: tuple[VllmName, ...] = (
     VllmName("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", _CPU_SAMPLING,
              "x, cu_num_tokens, num_tokens, replace_from, replace_to"),
     VllmName("vllm._custom_ops:CPUDNNLGEMMHandler", "__del__", _CPU_ONEDNN, "self"),
+    VllmName("vllm.v1.sample.rejection_sampler", "sample_recovered_tokens", _CPU_NOISE,
+             "max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, "
+             "sampling_metadata, device, use_fp64_gumbel"),
+    VllmName("vllm.v1.spec_decode.llm_base_proposer", "compute_probs_and_sample_next_token", _CPU_NOISE,
+             "logits, sampling_metadata, use_fp64_gumbel"),
     # instance hooks: the hook passes propose's arguments on, and vLLM's loop calls the sampling
     # hook as it calls its own method; the limiter's attribute must be no name of vLLM's
     VllmName(_PROPOSER, "propose", _LIMITER, "self, ...", used_as=(_EAGLE_PROPOSER,)),
@@ -203,6 +209,9 @@ READ: tuple[VllmName, ...] = (
     *_of("vllm", _PLUGIN, "ModelRegistry"),
     *_of("vllm.exceptions:VLLMValidationError", _HOOKS, ("", "self, message, ..., parameter, value")),
     *_of("vllm._custom_ops:CPUDNNLGEMMHandler", _CPU_ONEDNN, "handler_tensor"),
+    *_of("vllm.v1.sample.sampler", _CPU_NOISE, "_SAMPLING_EPS"),
+    *_of("vllm.v1.sample.metadata:SamplingMetadata", _CPU_NOISE, "temperature", "all_greedy", "all_random",
+         "generators"),
     *_of("vllm.entrypoints.openai.api_server", "launch/server.py", ""),
     *_of("vllm.entrypoints.cli.main", _USER_ERRORS, ""),
     # engine configuration the plugin sets or checks
