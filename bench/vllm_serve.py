@@ -138,17 +138,16 @@ def render(results: dict) -> str:
 
 def over_rounds(runs: list[dict]) -> list[dict]:
     """Each server (label and dtype) once, in the order first run: its tok/s over its rounds (their
-    output tokens over their time; one round's own figure), each round's, τ from the rounds'
-    counters together and the rounds' mean TPOT."""
+    output tokens over their time, as ``vllm bench serve`` computes one round's), each round's, τ
+    from the rounds' counters together and the rounds' mean TPOT."""
     servers: dict[tuple[str, str], list[dict]] = {}
     for run in runs:
         servers.setdefault((run["label"], run["dtype"]), []).append(run)
     merged = []
     for (label, dtype), rows in servers.items():
-        throughput = rows[0]["output_throughput"] if len(rows) == 1 else (
-            sum(r["total_output_tokens"] for r in rows) / sum(r["duration"] for r in rows))
-        drafts = sum(r["counters"].get("drafts") or 0 for r in rows)
-        tau = (1 + sum(r["counters"]["accepted"] for r in rows) / drafts) if drafts else rows[0]["counters"].get("tau")
+        throughput = sum(r["total_output_tokens"] for r in rows) / sum(r["duration"] for r in rows)
+        drafts = sum(r["counters"]["drafts"] for r in rows)
+        tau = 1 + sum(r["counters"]["accepted"] for r in rows) / drafts if drafts else None
         merged.append({"label": label, "dtype": dtype, "served_dtype": rows[0]["served_dtype"],
                        "output_throughput": throughput, "rounds": [r["output_throughput"] for r in rows], "tau": tau,
                        "mean_tpot_ms": sum(r["mean_tpot_ms"] for r in rows) / len(rows)})

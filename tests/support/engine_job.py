@@ -159,10 +159,11 @@ def main(job_path: str, out_path: str) -> None:
     start = time.time()
     llm = make_llm(job["target"], job.get("speculative_config"), **job.get("llm_kwargs", {}))
     result = {"startup_s": time.time() - start, "phases": {}}
-    if job.get("speculative_config"):
+    spec = job.get("speculative_config")
+    if spec:
         result["noise_rows"] = llm.collective_rpc(_noise_rows)  # one per rank
-    if job.get("speculative_config") and job["speculative_config"]["method"] in ("edsd", "eagle3"):
-        result["draft_samplers"] = llm.collective_rpc(_draft_sampler)  # one per rank
+        if spec["method"] in ("edsd", "eagle3"):
+            result["draft_samplers"] = llm.collective_rpc(_draft_sampler)  # one per rank
     for phase in job["phases"]:
         result["phases"][phase["name"]] = run_phase(llm, phase)
     with open(out_path, "w") as f:

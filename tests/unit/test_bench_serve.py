@@ -63,8 +63,11 @@ def test_the_command_refuses_in_one_line(tmp_path):
 
 def test_the_report_compares_each_server_with_none_at_its_dtype_and_at_the_first():
     def row(label, dtype, tok_s, tau=None):
+        drafts = 100 if tau else 0
         return {"label": label, "dtype": dtype, "served_dtype": "float32" if dtype == "float32" else "bfloat16",
-                "output_throughput": tok_s, "mean_tpot_ms": 1000 / tok_s, "counters": {"tau": tau}}
+                "output_throughput": tok_s, "total_output_tokens": 10 * tok_s, "duration": 10.0,
+                "mean_tpot_ms": 1000 / tok_s,
+                "counters": {"drafts": drafts, "accepted": round((tau - 1) * drafts) if tau else 0, "tau": tau}}
 
     results = {"machine": {"processor": "CPU", "cpu_instruction_set": "avx2", "cores": 2, "vllm": "0.32.0"},
                "command": "python -m bench serve --out x", "num_prompts": 24, "output_len": 128,
